@@ -1,0 +1,67 @@
+"""Checks run before the Trainer is built: an option this machine or launcher cannot honour fails here, by name."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from lit_template.errors import ConfigError
+
+GPU_ACCELERATORS = {"gpu", "cuda"}
+CPU_HINT = "use trainer=cpu (one process) or trainer=ddp_cpu (DDP over gloo on CPU)"
+
+
+def _strategy_backend(strategy: Any) -> str | None:
+    if isinstance(strategy, (DictConfig, dict)):
+        return strategy.get("process_group_backend")
+    return None
+
+
+def _as_int_devices(devices: Any) -> int | None:
+    if isinstance(devices, int):
+        return devices
+    if isinstance(devices, str) and devices.lstrip("-").isdigit():
+        return int(devices)
+    return None
+
+
+def check_trainer_config(trainer_cfg: DictConfig) -> None:
+    """Fail at start, naming the option, when the trainer asks for hardware this machine does not have."""
+    accelerator = str(trainer_cfg.get("accelerator", "auto")).lower()
+    devices = trainer_cfg.get("devices", "auto")
+    num_nodes = trainer_cfg.get("num_nodes", 1)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    if accelerator in GPU_ACCELERATORS and gpus == 0:
+        raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no CUDA GPU: {CPU_HINT}")
+
+    n = _as_int_devices(devices)
+    if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
+        if accelerator in GPU_ACCELERATORS and any(int(d) >= gpus for d in devices):
+            raise ConfigError(f"trainer.devices={list(devices)} names a GPU index but this machine has {gpus} GPU(s)")
+    elif n is not None:
+        if n == 0 or n < -1:
+            raise ConfigError(f"trainer.devices={n}: use a positive count, -1 (all), or 'auto'")
+        if accelerator in GPU_ACCELERATORS and n > gpus:
+            raise ConfigError(f"trainer.devices={n} but this machine has {gpus} GPU(s): set trainer.devices<={gpus}")
+    elif devices != "auto":
+        raise ConfigError(f"trainer.devices={devices!r}: use a positive count, -1 (all), a list of indices or 'auto'")
+
+    backend = _strategy_backend(trainer_cfg.get("strategy"))
+    if backend == "nccl" and gpus == 0:
+        raise ConfigError(
+            "trainer.strategy.process_group_backend=nccl needs CUDA GPUs and this machine has none: "
+            f"set trainer.strategy.process_group_backend=gloo and trainer.accelerator=cpu, or {CPU_HINT}"
+        )
+
+    if not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ConfigError(f"trainer.num_nodes={num_nodes!r}: must be a whole number >= 1")
+    if num_nodes > 1 and not any(k in os.environ for k in ("WORLD_SIZE", "SLURM_NTASKS", "MASTER_ADDR")):
+        raise ConfigError(
+            f"trainer.num_nodes={num_nodes} but no multi-node launcher is visible (WORLD_SIZE, MASTER_ADDR and "
+            "SLURM_NTASKS are unset): start each node with scripts/launch_node.sh (torchrun) or scripts/slurm.sbatch, "
+            "or set trainer.num_nodes=1"
+        )

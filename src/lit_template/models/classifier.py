@@ -1,0 +1,97 @@
+"""The image classifier LitModule: any ``net``, cross-entropy, torchmetrics accuracy, optimizer and scheduler by config."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import lightning as L
+import torch
+from torch import nn
+from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
+
+
+class LitClassifier(L.LightningModule):
+    """Classifies ``(x, y)`` batches. ``optimizer`` and ``scheduler`` are partials (``_partial_: true`` in yaml)."""
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: OptimizerFactory,
+        num_classes: int,
+        scheduler: SchedulerFactory | None = None,
+        scheduler_interval: str = "epoch",
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        # Only plain values go into the checkpoint's hparams, so it loads with torch.load(weights_only=True); the net's
+        # weights are in the state_dict and the optimizer factories come from the config.
+        self.save_hyperparameters(logger=False, ignore=["net", "optimizer", "scheduler"])
+        self.net = net
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.criterion = nn.CrossEntropyLoss()
+        # torchmetrics reduces across ranks itself when logged: no sync_dist needed.
+        self.train_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
+        self.val_acc_best = MaxMetric()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def on_train_start(self) -> None:
+        # The sanity check ran validation already; its numbers must not count as the best.
+        self.val_loss.reset()
+        self.val_acc.reset()
+        self.val_acc_best.reset()
+
+    def model_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, y = batch
+        logits = self(x)
+        loss = self.criterion(logits, y)
+        return loss, logits.argmax(dim=1), y
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, preds, targets = self.model_step(batch)
+        self.train_loss(loss)
+        self.train_acc(preds, targets)
+        self.log("train/loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        loss, preds, targets = self.model_step(batch)
+        self.val_loss(loss)
+        self.val_acc(preds, targets)
+        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self.val_acc_best(self.val_acc.compute())
+        self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True, prog_bar=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        loss, preds, targets = self.model_step(batch)
+        self.test_loss(loss)
+        self.test_acc(preds, targets)
+        self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
+        self.log("test/acc", self.test_acc, on_step=False, on_epoch=True)
+
+    def setup(self, stage: str) -> None:
+        if self.hparams.compile and stage == "fit":
+            self.net = torch.compile(self.net)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = self.optimizer_factory(params=self.trainer.model.parameters())
+        if self.scheduler_factory is None:
+            return {"optimizer": optimizer}
+        scheduler = self.scheduler_factory(optimizer=optimizer)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss", "interval": self.hparams.scheduler_interval},
+        }

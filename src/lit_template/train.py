@@ -1,0 +1,90 @@
+"""The training task: build datamodule, model, callbacks, loggers and trainer from the config; fit; test."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import hydra
+import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from omegaconf import DictConfig
+
+from lit_template.checkpoints import resolve_ckpt_path
+from lit_template.distributed.checks import check_trainer_config
+from lit_template.errors import ConfigError
+from lit_template.utils import RankedLogger, instantiate_callbacks, instantiate_loggers, task_wrapper
+from lit_template.utils.rich_utils import print_config_tree
+
+log = RankedLogger(__name__, rank_zero_only=True)
+
+
+def build(cfg: DictConfig) -> dict[str, Any]:
+    """Everything a run needs, instantiated from the config (shared by train and eval)."""
+    check_trainer_config(cfg.trainer)
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+    log.info(f"datamodule <{cfg.data._target_}>")
+    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    log.info(f"model <{cfg.model._target_}>")
+    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+    callbacks = instantiate_callbacks(cfg.get("callbacks"))
+    loggers = instantiate_loggers(cfg.get("logger"))
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    return {"cfg": cfg, "datamodule": datamodule, "model": model, "callbacks": callbacks, "loggers": loggers,
+            "trainer": trainer}
+
+
+@rank_zero_only
+def log_hyperparameters(objects: dict[str, Any]) -> None:
+    cfg, trainer, model = objects["cfg"], objects["trainer"], objects["model"]
+    if not trainer.loggers:
+        return
+    hparams = {
+        "model": cfg.model, "data": cfg.data, "trainer": cfg.trainer, "seed": cfg.get("seed"),
+        "ckpt_path": cfg.get("ckpt_path"), "task_name": cfg.get("task_name"), "tags": cfg.get("tags"),
+        "model/params/total": sum(p.numel() for p in model.parameters()),
+        "model/params/trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+    for logger in trainer.loggers:
+        logger.log_hyperparams(hparams)
+
+
+def optimized_metric(cfg: DictConfig, metrics: dict[str, Any]) -> float | None:
+    """The value of ``cfg.optimized_metric`` after the run, for Hydra sweepers; a missing name is a config error."""
+    name = cfg.get("optimized_metric")
+    if not name:
+        return None
+    if name not in metrics:
+        raise ConfigError(
+            f"optimized_metric={name!r} was not logged; logged metrics are: {', '.join(sorted(metrics)) or 'none'}"
+        )
+    value = float(metrics[name])
+    log.info(f"{name} = {value:.6g}")
+    return value if math.isfinite(value) else math.nan
+
+
+@task_wrapper
+def run(cfg: DictConfig) -> float | None:
+    if cfg.get("extras", {}).get("print_config"):
+        print_config_tree(cfg, save_to=f"{cfg.paths.output_dir}/config_tree.log")
+    objects = build(cfg)
+    trainer, model, datamodule = objects["trainer"], objects["model"], objects["datamodule"]
+    log_hyperparameters(objects)
+
+    if cfg.get("train", True):
+        ckpt_path = resolve_ckpt_path(cfg)
+        if ckpt_path:
+            log.info(f"resuming from {ckpt_path}")
+        trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
+    metrics = {k: v.item() if hasattr(v, "item") else v for k, v in trainer.callback_metrics.items()}
+
+    if cfg.get("test", False):
+        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        if not best:
+            log.warning("no best checkpoint was saved: testing the weights as they are now")
+        trainer.test(model=model, datamodule=datamodule, ckpt_path=best or None)
+        metrics.update({k: v.item() if hasattr(v, "item") else v for k, v in trainer.callback_metrics.items()})
+        if best:
+            log.info(f"best checkpoint: {best}")
+    return optimized_metric(cfg, metrics)

@@ -1,0 +1,17 @@
+"""Train a model: ``python train.py [overrides]``. See README.md and conf/train.yaml."""
+
+import hydra
+from omegaconf import DictConfig
+
+import lit_template.utils.resolvers  # noqa: F401  (registers ${lt.*} before Hydra composes)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    from lit_template.train import run
+
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    main()
