@@ -48,7 +48,7 @@ class Run:
 def run_script(script: str, *overrides: str, log_dir: Path, timeout: float = 180, env: dict | None = None,
                check: bool = True) -> Run:
     """``python <script> <overrides>`` from the repo root, writing below ``log_dir``; a hang fails at ``timeout``."""
-    cmd = [sys.executable, str(ROOT / script), f"paths.log_dir={log_dir}", *overrides]
+    cmd = [sys.executable, str(ROOT / script), *overrides, f"paths.log_dir={log_dir}"]
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "200", **(env or {})}
     for key in ("LT_RUN_ID", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
         if env is None or key not in env:

@@ -19,7 +19,8 @@ def resolve_ckpt_path(cfg: DictConfig, option: str = "ckpt_path") -> str | None:
         own = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
         if own.is_file():
             return str(own)
-        runs = Path(cfg.paths.log_dir) / str(cfg.task_name)
+        # eval looks among the train task's runs (conf/eval.yaml sets ckpt_search_task)
+        runs = Path(cfg.paths.log_dir) / str(cfg.get("ckpt_search_task") or cfg.task_name)
         candidates = sorted(runs.glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
         if not candidates:
             raise ConfigError(

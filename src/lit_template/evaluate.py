@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lit_template.checkpoints import resolve_ckpt_path
 from lit_template.errors import ConfigError
@@ -13,11 +13,13 @@ from lit_template.utils.rich_utils import print_config_tree
 
 @task_wrapper
 def run(cfg: DictConfig) -> dict[str, float]:
+    if OmegaConf.is_missing(cfg, "ckpt_path"):
+        raise ConfigError("ckpt_path is required for eval: ckpt_path=/path/to/file.ckpt or ckpt_path=last")
     if cfg.get("extras", {}).get("print_config"):
         print_config_tree(cfg, save_to=f"{cfg.paths.output_dir}/config_tree.log")
     ckpt_path = resolve_ckpt_path(cfg)
     if ckpt_path is None:
-        raise ConfigError("ckpt_path is required for eval: ckpt_path=/path/to/file.ckpt or ckpt_path=last")
+        raise ConfigError("ckpt_path=null: eval needs ckpt_path=/path/to/file.ckpt or ckpt_path=last")
     objects = build(cfg)
     log.info(f"testing {ckpt_path}")
     objects["trainer"].test(model=objects["model"], datamodule=objects["datamodule"], ckpt_path=ckpt_path)

@@ -12,6 +12,8 @@ from omegaconf import DictConfig
 
 from lit_template.checkpoints import resolve_ckpt_path
 from lit_template.distributed.checks import check_trainer_config
+from lit_template.distributed.env import apply_env, check_launch_env
+from lit_template.distributed.launch import prepare_job_for_ddp_children
 from lit_template.errors import ConfigError
 from lit_template.utils import RankedLogger, instantiate_callbacks, instantiate_loggers, task_wrapper
 from lit_template.utils.rich_utils import print_config_tree
@@ -22,6 +24,11 @@ log = RankedLogger(__name__, rank_zero_only=True)
 def build(cfg: DictConfig) -> dict[str, Any]:
     """Everything a run needs, instantiated from the config (shared by train and eval)."""
     check_trainer_config(cfg.trainer)
+    dist_cfg = cfg.get("distributed") or {}
+    if dist_cfg.get("check_env", True):
+        check_launch_env(cfg.trainer)
+    apply_env(dist_cfg)
+    prepare_job_for_ddp_children()
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     log.info(f"datamodule <{cfg.data._target_}>")

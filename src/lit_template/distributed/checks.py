@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -50,7 +49,15 @@ def check_trainer_config(trainer_cfg: DictConfig) -> None:
     elif devices != "auto":
         raise ConfigError(f"trainer.devices={devices!r}: use a positive count, -1 (all), a list of indices or 'auto'")
 
-    backend = _strategy_backend(trainer_cfg.get("strategy"))
+    strategy = trainer_cfg.get("strategy")
+    target = str(strategy.get("_target_", "")) if isinstance(strategy, (DictConfig, dict)) else str(strategy or "")
+    if "fsdp" in target.lower() and (accelerator not in GPU_ACCELERATORS or gpus == 0):
+        raise ConfigError(
+            f"trainer=fsdp (trainer.strategy={target}) shards over CUDA GPUs; trainer.accelerator={accelerator} on a "
+            f"machine with {gpus} GPU(s) cannot run it: {CPU_HINT}"
+        )
+
+    backend = _strategy_backend(strategy)
     if backend == "nccl" and gpus == 0:
         raise ConfigError(
             "trainer.strategy.process_group_backend=nccl needs CUDA GPUs and this machine has none: "
@@ -59,9 +66,3 @@ def check_trainer_config(trainer_cfg: DictConfig) -> None:
 
     if not isinstance(num_nodes, int) or num_nodes < 1:
         raise ConfigError(f"trainer.num_nodes={num_nodes!r}: must be a whole number >= 1")
-    if num_nodes > 1 and not any(k in os.environ for k in ("WORLD_SIZE", "SLURM_NTASKS", "MASTER_ADDR")):
-        raise ConfigError(
-            f"trainer.num_nodes={num_nodes} but no multi-node launcher is visible (WORLD_SIZE, MASTER_ADDR and "
-            "SLURM_NTASKS are unset): start each node with scripts/launch_node.sh (torchrun) or scripts/slurm.sbatch, "
-            "or set trainer.num_nodes=1"
-        )

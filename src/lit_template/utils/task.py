@@ -13,17 +13,11 @@ from typing import Any, Callable
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from lit_template.distributed.launch import forget_job_rendezvous, in_multirun
 from lit_template.errors import ConfigError
 from lit_template.utils.pylogger import RankedLogger
 
 log = RankedLogger(__name__)
-
-
-def _is_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _write_failure(cfg: DictConfig, error: BaseException) -> None:
@@ -43,9 +37,10 @@ def _write_failure(cfg: DictConfig, error: BaseException) -> None:
 
 
 def _teardown_distributed() -> None:
-    # A multirun runs its jobs in one process: the next job must not find this job's process group.
+    # A multirun runs its jobs in one process: the next job must not find this job's process group or port.
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    forget_job_rendezvous()
 
 
 def task_wrapper(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
@@ -61,14 +56,14 @@ def task_wrapper(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], An
         try:
             return task(cfg)
         except ConfigError as err:
-            if _is_multirun():
+            if in_multirun():
                 log.error(f"job failed: {err}")
                 _write_failure(cfg, err)
                 return math.nan
             print(f"error: {err}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         except Exception as err:
-            if not _is_multirun():
+            if not in_multirun():
                 raise
             log.exception(f"job failed with {type(err).__name__}: {err} (the sweep goes on)")
             _write_failure(cfg, err)

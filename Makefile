@@ -1,0 +1,34 @@
+# Two commands on a fresh machine:  make install && make train   ...and   make test
+PY ?= .venv/bin/python
+PIP ?= .venv/bin/pip
+
+.PHONY: install train train-ddp test test-fast test-all bench clean help
+
+help:  ## show the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
+
+.venv:
+	python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+
+install: .venv  ## create .venv, install torch 2.14.1 / torchvision 0.29.1 and the package (editable, with test tools)
+	$(PIP) install torch==2.14.1 torchvision==0.29.1
+	$(PIP) install -e ".[dev]"
+
+train:  ## train the default model on the embedded digits data (CPU, no network)
+	$(PY) train.py
+
+train-ddp:  ## the same with DDP: 2 processes on the CPU over gloo
+	$(PY) train.py trainer=ddp_cpu
+
+test:  ## the whole suite, slow multi-process tests included (about 10 minutes on 2 cores)
+	$(PY) -m pytest -q
+
+test-fast:  ## skip the slow tests
+	$(PY) -m pytest -q -m "not slow"
+
+bench:  ## overhead of the template versus a raw PyTorch loop, and of each callback
+	$(PY) scripts/benchmark.py
+
+clean:  ## remove run outputs
+	rm -rf logs/ outputs/ multirun/ .pytest_cache

@@ -1,0 +1,86 @@
+"""A Hydra callback that ends every multirun with a table of each job's optimized metric (summary.json/.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+RESULT_FILE = "job_result.json"
+
+
+def _is_multirun(config: DictConfig) -> bool:
+    return config.hydra.mode == RunMode.MULTIRUN
+
+
+class SweepSummary(Callback):
+    """Each job writes ``<job dir>/job_result.json``; the sweep's process gathers them at the end.
+
+    Files rather than memory, so it works with launchers that run jobs elsewhere (joblib, submitit).
+    """
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if not _is_multirun(config):
+            return
+        value = getattr(job_return, "_return_value", None)
+        failed = job_return.status != JobStatus.COMPLETED
+        number = float(value) if isinstance(value, (int, float)) else math.nan
+        failure = Path(config.hydra.runtime.output_dir) / "failure.json"
+        record = {
+            "kind": "sweep_job",
+            "job": int(config.hydra.job.num),
+            "overrides": list(config.hydra.overrides.task),
+            "metric": config.get("optimized_metric"),
+            "value": None if math.isnan(number) else number,
+            "status": "failed" if failed or math.isnan(number) else "completed",
+            "error": json.loads(failure.read_text())["message"] if failure.is_file() else None,
+            "dir": str(config.hydra.runtime.output_dir),
+        }
+        Path(record["dir"], RESULT_FILE).write_text(json.dumps(record, indent=2))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = sorted((json.loads(p.read_text()) for p in sweep_dir.glob(f"**/{RESULT_FILE}")), key=lambda r: r["job"])
+        if not rows:
+            return
+        direction = str(config.hydra.sweeper.get("direction", "maximize"))
+        scored = [r for r in rows if r["value"] is not None]
+        best = (max if direction.startswith("max") else min)(scored, key=lambda r: r["value"]) if scored else None
+        metric = rows[0]["metric"]
+        # show what the sweep varies, not the overrides every job shares
+        common = set.intersection(*(set(r["overrides"]) for r in rows)) if len(rows) > 1 else set()
+        for r in rows:
+            r["swept"] = [o for o in r["overrides"] if o not in common]
+        summary = {"kind": "sweep_summary", "metric": metric, "direction": direction, "jobs": rows,
+                   "best_job": best["job"] if best else None, "failed_jobs": [r["job"] for r in rows
+                                                                             if r["status"] == "failed"]}
+        (sweep_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        lines = [f"| job | overrides | {metric} | status |", "|---|---|---|---|"]
+        for r in rows:
+            mark = " (best)" if best is r else ""
+            value = "" if r["value"] is None else f"{r['value']:.6g}{mark}"
+            lines.append(f"| {r['job']} | {' '.join(r['swept'])} | {value} | {r['status']} |")
+        (sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
+        self._print(rows, metric, best, sweep_dir)
+
+    @staticmethod
+    def _print(rows: list[dict], metric: str, best: dict | None, sweep_dir: Path) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"sweep: {metric} per job ({sweep_dir})")
+        for col in ("job", "overrides", metric, "status"):
+            table.add_column(col)
+        for r in rows:
+            value = "" if r["value"] is None else f"{r['value']:.6g}"
+            style = "bold green" if r is best else ("red" if r["status"] == "failed" else None)
+            table.add_row(str(r["job"]), " ".join(r["swept"]), value, r["status"], style=style)
+        Console().print(table)
+        if best:
+            Console().print(f"best: job {best['job']} ({' '.join(best['swept'])}) {metric}={best['value']:.6g}")

@@ -1,0 +1,31 @@
+"""Test-only callbacks, importable by ``python train.py`` when the tests put tests/ on PYTHONPATH."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+
+
+class SaveRankWeights(L.Callback):
+    """Every rank saves its own parameters at the end of fit: ``<run dir>/rank_weights/rank<R>.pt``."""
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        out = Path(trainer.default_root_dir) / "rank_weights"
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+        torch.save({"global_rank": trainer.global_rank, "world_size": trainer.world_size,
+                    "global_step": trainer.global_step, "state": state}, out / f"rank{trainer.global_rank}.pt")
+
+
+class FailAboveLR(L.Callback):
+    """Raises at train start when the optimizer's lr is above ``threshold``: a trial that fails, on purpose."""
+
+    def __init__(self, threshold: float) -> None:
+        self.threshold = threshold
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        if lr > self.threshold:
+            raise FloatingPointError(f"lr={lr} diverges (test: fails above {self.threshold})")

@@ -1,0 +1,55 @@
+"""Bad input gets one clear message naming the option, and no traceback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def assert_clean_error(run, *needles):
+    assert run.returncode != 0
+    assert "Traceback" not in run.output, run.output[-3000:]
+    for needle in needles:
+        assert needle in run.output, f"{needle!r} not in:\n{run.output[-3000:]}"
+
+
+def test_unknown_config_option(train):
+    run = train("trainer.max_epoch=3", check=False, timeout=120)
+    assert_clean_error(run, "max_epoch")
+
+
+def test_unknown_config_group_choice(train):
+    run = train("model=transformer9000", check=False, timeout=120)
+    assert_clean_error(run, "transformer9000")
+
+
+def test_missing_data_dir_without_download(train, tmp_path):
+    run = train("data=mnist", f"data.data_dir={tmp_path / 'nowhere'}", "data.download=false", check=False, timeout=120)
+    assert_clean_error(run, "data.data_dir=", "data.download=true")
+    assert run.returncode == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
+def test_gpu_trainer_without_gpu(train):
+    run = train("trainer=gpu", check=False, timeout=120)
+    assert_clean_error(run, "trainer.accelerator=gpu", "trainer=cpu")
+
+
+def test_devices_that_do_not_exist(train):
+    run = train("trainer.devices=0", check=False, timeout=120)
+    assert_clean_error(run, "trainer.devices=0")
+
+
+def test_num_nodes_without_a_launcher(train):
+    run = train("trainer.num_nodes=2", check=False, timeout=120)
+    assert_clean_error(run, "trainer.num_nodes=2", "scripts/launch_node.sh")
+
+
+def test_eval_without_checkpoint(evaluate):
+    run = evaluate(check=False, timeout=120)
+    assert_clean_error(run, "ckpt_path")
+
+
+def test_eval_with_a_missing_checkpoint(evaluate, tmp_path):
+    run = evaluate(f"ckpt_path={tmp_path / 'nope.ckpt'}", check=False, timeout=120)
+    assert_clean_error(run, "ckpt_path=", "is not a file")

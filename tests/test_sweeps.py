@@ -1,0 +1,91 @@
+"""Hydra multirun: a grid, Optuna, and sweeps of DDP jobs, each through python train.py -m."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+TESTS = str(Path(__file__).resolve().parent)
+TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2", "test=false",
+        "extras.print_config=false", "callbacks.rich_progress_bar=null"]
+
+
+def sweep_dir(run) -> Path:
+    dirs = sorted((run.log_dir / "train" / "multiruns").glob("*"))
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_grid_sweep_2x2_runs_four_jobs_and_summarises_them(train):
+    run = train("-m", "model.optimizer.lr=1e-3,1e-2", "data.batch_size=32,64", *TINY, timeout=380)
+    root = sweep_dir(run)
+    summary = json.loads((root / "summary.json").read_text())
+    assert [j["job"] for j in summary["jobs"]] == [0, 1, 2, 3]
+    assert all(j["status"] == "completed" and 0.0 <= j["value"] <= 1.0 for j in summary["jobs"])
+    assert {tuple(j["swept"]) for j in summary["jobs"]} == {
+        ("model.optimizer.lr=1e-3", "data.batch_size=32"), ("model.optimizer.lr=1e-3", "data.batch_size=64"),
+        ("model.optimizer.lr=1e-2", "data.batch_size=32"), ("model.optimizer.lr=1e-2", "data.batch_size=64")}
+    for job in range(4):
+        assert (root / str(job) / "checkpoints" / "last.ckpt").is_file()
+    assert "best: job" in run.output and (root / "summary.md").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_failed_job_is_reported_and_the_sweep_goes_on(train):
+    run = train("-m", "model.optimizer.lr=0.001,5.0", "+callbacks.fail._target_=support_callbacks.FailAboveLR",
+                "+callbacks.fail.threshold=1.0", *TINY, env={"PYTHONPATH": TESTS}, timeout=380)
+    jobs = json.loads((sweep_dir(run) / "summary.json").read_text())["jobs"]
+    assert [j["status"] for j in jobs] == ["completed", "failed"]
+    assert "diverges" in jobs[1]["error"]
+    assert json.loads((sweep_dir(run) / "1" / "failure.json").read_text())["error_type"] == "FloatingPointError"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_optuna_sweep_returns_the_best_value(train):
+    run = train("-m", "hparams_search=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.n_startup_trials=2",
+                *TINY, timeout=480)
+    root = sweep_dir(run)
+    results = yaml.safe_load((root / "optimization_results.yaml").read_text())
+    values = [j["value"] for j in json.loads((root / "summary.json").read_text())["jobs"]]
+    assert len(values) == 3
+    assert results["best_value"] == pytest.approx(max(values))
+    assert set(results["best_params"]) == {"model.optimizer.lr", "data.batch_size", "model.net.dropout"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_optuna_counts_a_failed_trial_as_failed_and_goes_on(train):
+    run = train("-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2",
+                "hydra.sweeper.sampler._target_=optuna.samplers.GridSampler",
+                "~hydra.sweeper.sampler.seed", "~hydra.sweeper.sampler.n_startup_trials",
+                "+hydra.sweeper.sampler.search_space={model.optimizer.lr:[0.001,5.0]}",
+                "hydra.sweeper.params={model.optimizer.lr:'choice(0.001, 5.0)'}",
+                "+callbacks.fail._target_=support_callbacks.FailAboveLR", "+callbacks.fail.threshold=1.0",
+                *TINY, env={"PYTHONPATH": TESTS}, timeout=480)
+    root = sweep_dir(run)
+    jobs = json.loads((root / "summary.json").read_text())["jobs"]
+    assert sorted(j["status"] for j in jobs) == ["completed", "failed"]
+    results = yaml.safe_load((root / "optimization_results.yaml").read_text())
+    assert results["best_params"] == {"model.optimizer.lr": 0.001}
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.timeout(500)
+def test_multirun_of_ddp_jobs_each_with_its_own_process_group(train):
+    run = train("-m", "trainer=ddp_cpu", "seed=1,2", "trainer.strategy.timeout.seconds=60", *TINY, timeout=480)
+    root = sweep_dir(run)
+    jobs = json.loads((root / "summary.json").read_text())["jobs"]
+    assert [j["status"] for j in jobs] == ["completed", "completed"]
+    # both ranks of both jobs joined (each job its own rendezvous), each job wrote into its own dir only
+    assert run.output.count("Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2") == 2
+    for job in ("0", "1"):
+        assert (root / job / "checkpoints" / "last.ckpt").is_file()
+    assert not list(run.log_dir.glob("train/runs/*")), "a DDP child wrote a run dir of its own"
