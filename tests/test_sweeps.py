@@ -28,8 +28,8 @@ def test_grid_sweep_2x2_runs_four_jobs_and_summarises_them(train):
     assert [j["job"] for j in summary["jobs"]] == [0, 1, 2, 3]
     assert all(j["status"] == "completed" and 0.0 <= j["value"] <= 1.0 for j in summary["jobs"])
     assert {tuple(j["swept"]) for j in summary["jobs"]} == {
-        ("model.optimizer.lr=1e-3", "data.batch_size=32"), ("model.optimizer.lr=1e-3", "data.batch_size=64"),
-        ("model.optimizer.lr=1e-2", "data.batch_size=32"), ("model.optimizer.lr=1e-2", "data.batch_size=64")}
+        ("model.optimizer.lr=0.001", "data.batch_size=32"), ("model.optimizer.lr=0.001", "data.batch_size=64"),
+        ("model.optimizer.lr=0.01", "data.batch_size=32"), ("model.optimizer.lr=0.01", "data.batch_size=64")}
     for job in range(4):
         assert (root / str(job) / "checkpoints" / "last.ckpt").is_file()
     assert "best: job" in run.output and (root / "summary.md").is_file()

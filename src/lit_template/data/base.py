@@ -1,0 +1,107 @@
+"""What every image-classification DataModule here shares: split sizes, loaders, and the shape it declares."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, Sequence, Sized
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset, RandomSampler, random_split
+
+from lit_template.errors import ConfigError
+
+
+class EpochSeededSampler(RandomSampler):
+    """A shuffle whose order depends only on ``seed + epoch``, not on the global RNG, so a run resumed at epoch E
+    sees the same batches as one that never stopped. Lightning calls ``set_epoch`` each epoch; being a RandomSampler,
+    under DDP it is replaced by Lightning's DistributedSampler (seeded with the global seed, also set_epoch'd)."""
+
+    def __init__(self, data_source: Sized, seed: int = 0) -> None:
+        super().__init__(data_source)
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        yield from torch.randperm(len(self.data_source), generator=generator).tolist()
+
+
+class ImageDataModule(L.LightningDataModule):
+    """Subclasses set ``name``, ``num_classes``, ``input_shape`` and fill ``data_train/val/test`` in ``setup``.
+
+    ``num_classes`` and ``input_shape`` are also constructor arguments so the model yaml can read them as
+    ``${data.num_classes}``; a value that does not match the dataset is a config error, not a silent reshape.
+    """
+
+    name: str = "dataset"
+    dataset_num_classes: int = 0
+    dataset_input_shape: tuple[int, ...] = ()
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        num_classes: int | None = None,
+        input_shape: Sequence[int] | None = None,
+        val_fraction: float = 0.1,
+        split_seed: int = 42,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(logger=False)
+        # Plain values, not OmegaConf lists, so checkpoints load with torch.load(weights_only=True).
+        if input_shape is not None:
+            self.hparams.input_shape = tuple(int(v) for v in input_shape)
+        if batch_size < 1:
+            raise ConfigError(f"data.batch_size must be >= 1, got {batch_size}")
+        if not 0.0 < val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be between 0 and 1, got {val_fraction}")
+        if num_classes is not None and num_classes != self.dataset_num_classes:
+            raise ConfigError(f"data.num_classes={num_classes} but {self.name} has {self.dataset_num_classes} classes")
+        if input_shape is not None and tuple(input_shape) != tuple(self.dataset_input_shape):
+            raise ConfigError(
+                f"data.input_shape={list(input_shape)} but {self.name} images are {list(self.dataset_input_shape)}"
+            )
+        self.data_train: Dataset | None = None
+        self.data_val: Dataset | None = None
+        self.data_test: Dataset | None = None
+
+    @property
+    def num_classes(self) -> int:
+        return self.dataset_num_classes
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return self.dataset_input_shape
+
+    def split_train_val(self, full: Dataset) -> tuple[Dataset, Dataset]:
+        """The same split on every rank and every run: a fixed generator, not the global seed."""
+        n_val = max(1, int(len(full) * self.hparams.val_fraction))
+        generator = torch.Generator().manual_seed(self.hparams.split_seed)
+        train, val = random_split(full, [len(full) - n_val, n_val], generator=generator)
+        return train, val
+
+    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
+        assert dataset is not None, "setup() must run before the loaders are asked for"
+        # the seed of seed_everything (train.yaml `seed`), else the split seed
+        seed = int(os.environ.get("PL_GLOBAL_SEED", self.hparams.split_seed))
+        return DataLoader(
+            dataset,
+            batch_size=self.hparams.batch_size,
+            sampler=EpochSeededSampler(dataset, seed=seed) if shuffle else None,
+            num_workers=self.hparams.num_workers,
+            pin_memory=self.hparams.pin_memory,
+            persistent_workers=self.hparams.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.data_train, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.data_val, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.data_test, shuffle=False)
