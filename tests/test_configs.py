@@ -22,7 +22,7 @@ EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 DEBUGS = sorted(p.stem for p in (CONF / "debug").glob("*.yaml"))
 HAS_GPU = torch.cuda.is_available()
 # what a trainer config needs on a machine without GPUs to build a Trainer
-CPU_OVERRIDES = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true"]
+CPU_OVERRIDES = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true", "trainer.sync_batchnorm=false"]
 GPU_ONLY = {"gpu", "ddp", "ddp_multinode", "fsdp"}
 
 
@@ -129,6 +129,14 @@ def test_data_shape_mismatch_is_a_config_error():
         DigitsDataModule(input_shape=[1, 28, 28])
     with pytest.raises(ConfigError, match=r"data\.num_classes"):
         DigitsDataModule(num_classes=100)
+
+
+def test_sync_batchnorm_on_cpu_names_the_option():
+    # trainer=ddp syncs BatchNorm (CUDA-only in torch); moved to the CPU it must say so before DDP fails obscurely
+    cfg = compose_cfg("trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
+                      "trainer.strategy.process_group_backend=gloo")
+    with pytest.raises(ConfigError, match=r"trainer\.sync_batchnorm=true .*trainer\.sync_batchnorm=false"):
+        check_trainer_config(cfg.trainer)
 
 
 def test_devices_checks_name_the_option():

@@ -91,5 +91,7 @@ def test_cifar10_loads_torchvision_files(tmp_path, monkeypatch):
 def test_train_py_on_mnist_files(train, tmp_path):
     write_mnist(tmp_path / "data", n_train=256, n_test=64)
     run = train("data=mnist", f"data.data_dir={tmp_path / 'data'}", "data.num_workers=0", "data.pin_memory=false",
-                "data.batch_size=32", "model=cnn", "trainer.max_epochs=2", timeout=240)
-    assert run.last_value("test/acc") >= 0.5  # the stripes are easy; chance is 0.1
+                "data.batch_size=32", "model=mlp", "trainer.max_epochs=2", timeout=240)
+    # the class is the stripe's row: easy for the MLP, which sees positions (the CNN's global pooling mostly does not);
+    # chance is 0.1
+    assert run.last_value("test/acc") >= 0.5

@@ -53,3 +53,10 @@ def test_eval_without_checkpoint(evaluate):
 def test_eval_with_a_missing_checkpoint(evaluate, tmp_path):
     run = evaluate(f"ckpt_path={tmp_path / 'nope.ckpt'}", check=False, timeout=120)
     assert_clean_error(run, "ckpt_path=", "is not a file")
+
+
+def test_comm_option_without_ddp(train):
+    # comm=... only means something to DDP: on one CPU process it fails at start, naming comm and the way out
+    run = train("trainer=cpu", "comm=powersgd", check=False, timeout=120)
+    assert_clean_error(run, "comm=powersgd", "trainer=ddp_cpu")
+    assert run.returncode == 2

@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT
 
 TESTS = str(Path(__file__).resolve().parent)
-CPU = ["trainer.accelerator=cpu", "trainer.strategy.process_group_backend=gloo"]
+CPU = ["trainer.accelerator=cpu", "trainer.strategy.process_group_backend=gloo", "trainer.sync_batchnorm=false"]
 TINY = ["trainer.max_epochs=2", "trainer.limit_train_batches=6", "trainer.limit_val_batches=2", "test=false",
         "callbacks.rich_progress_bar=null", "trainer.strategy.timeout.seconds=90"]
 

@@ -49,7 +49,7 @@ def test_a_failed_job_is_reported_and_the_sweep_goes_on(train):
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_optuna_sweep_returns_the_best_value(train):
-    run = train("-m", "hparams_search=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.n_startup_trials=2",
+    run = train("-m", "hparams_search=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=5", "hydra.sweeper.sampler.n_startup_trials=2",
                 *TINY, timeout=480)
     root = sweep_dir(run)
     results = yaml.safe_load((root / "optimization_results.yaml").read_text())
@@ -62,18 +62,18 @@ def test_optuna_sweep_returns_the_best_value(train):
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_optuna_counts_a_failed_trial_as_failed_and_goes_on(train):
-    run = train("-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2",
-                "hydra.sweeper.sampler._target_=optuna.samplers.GridSampler",
-                "~hydra.sweeper.sampler.seed", "~hydra.sweeper.sampler.n_startup_trials",
-                "+hydra.sweeper.sampler.search_space={model.optimizer.lr:[0.001,5.0]}",
+    # The shipped search (TPE: its first trials sample at random) with lr narrowed to two values; the test callback
+    # fails lr=5.0, which seed 5 draws first. The study records the failed trial and goes on.
+    run = train("-m", "hparams_search=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=5",
                 "hydra.sweeper.params={model.optimizer.lr:'choice(0.001, 5.0)'}",
                 "+callbacks.fail._target_=support_callbacks.FailAboveLR", "+callbacks.fail.threshold=1.0",
                 *TINY, env={"PYTHONPATH": TESTS}, timeout=480)
     root = sweep_dir(run)
     jobs = json.loads((root / "summary.json").read_text())["jobs"]
-    assert sorted(j["status"] for j in jobs) == ["completed", "failed"]
+    statuses = [j["status"] for j in jobs]
+    assert len(statuses) == 3 and "completed" in statuses and "failed" in statuses, statuses
     results = yaml.safe_load((root / "optimization_results.yaml").read_text())
-    assert results["best_params"] == {"model.optimizer.lr": 0.001}
+    assert results["best_params"]["model.optimizer.lr"] == 0.001  # the other searched params stay as shipped
 
 
 @pytest.mark.slow

@@ -236,3 +236,31 @@ def test_no_sync_gradients_and_unbroadcast_buffers_are_flagged_in_tolerance_mode
     buffers = [f for f in found if f["kind"] == "buffer_mismatch"]
     assert buffers and "net.model.2.running_mean" in by_name(buffers[-1])
     assert "buffers differ across ranks" in run.output
+
+
+def test_local_sgd_mode_checks_gradients_in_warmup_and_parameters_right_after_averaging_steps():
+    """The rule the check reads off torch's own PeriodicModelAverager (a real one, on a 1-process gloo group); the
+    2-process runs with comm=local_sgd are in tests/test_comm.py."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        averager = PeriodicModelAverager(period=4, warmup_steps=5)
+        check = SyncCheck(every_n_steps=1)
+        check._averager = averager
+        param = torch.nn.Parameter(torch.ones(3))
+        param.grad = torch.zeros(3)
+        grads_checked, params_checked = [], []
+        for global_step in range(1, 19):
+            if check._grads_synced():
+                grads_checked.append(global_step)
+            averager.average_parameters([param])  # what DDPStrategy.optimizer_step does after the step
+            if check._params_synced():
+                params_checked.append(global_step)
+        assert grads_checked == [1, 2, 3, 4, 5]
+        assert params_checked == [1, 2, 3, 4, 5, 6, 10, 14, 18]
+        check._averager = None  # plain DDP: every step
+        assert check._grads_synced() and check._params_synced()
+    finally:
+        dist.destroy_process_group()

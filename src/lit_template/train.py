@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from lit_template.checkpoints import resolve_ckpt_path
 from lit_template.distributed.checks import check_trainer_config
+from lit_template.distributed.comm import check_comm_config
 from lit_template.distributed.env import apply_env, check_launch_env
 from lit_template.distributed.launch import prepare_job_for_ddp_children
 from lit_template.errors import ConfigError
@@ -23,6 +24,7 @@ log = RankedLogger(__name__, rank_zero_only=True)
 
 def build(cfg: DictConfig) -> dict[str, Any]:
     """Everything a run needs, instantiated from the config (shared by train and eval)."""
+    check_comm_config(cfg.trainer)
     check_trainer_config(cfg.trainer)
     dist_cfg = cfg.get("distributed") or {}
     if dist_cfg.get("check_env", True):

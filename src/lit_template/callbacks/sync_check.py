@@ -8,6 +8,11 @@ Every ``every_n_steps`` optimizer steps, on every rank:
   ``broadcast_buffers=False`` makes them differ on purpose);
 - parameters after the optimizer step (``on_train_batch_end``); also at fit start and end if asked.
 
+Local SGD (``comm=local_sgd``: a ``PeriodicModelAverager`` in the DDP strategy): after ``start_localSGD_iter`` steps
+the gradients are not all-reduced and the replicas differ on purpose until the next averaging step. Then gradients
+are not checked, and a due parameter check waits for the next step that averaged the parameters (the averager's own
+step count says which, the same on every rank, so every rank still issues the same collectives).
+
 Cost: a checksum per tensor on the tensor's own device (see ``checksum.py``), then one all_gather of one checksum per
 kind. Only on a mismatch: a second all_gather of the per-tensor checksums to find the tensors, then, for the few
 tensors reported, a broadcast of the reference rank's tensor and one all_gather of each rank's max |difference|. The
@@ -136,6 +141,10 @@ class SyncCheck(L.Callback):
         self._params_due = False
         self._step_counts: dict[str, int] = {}
         self._step_ms = 0.0
+        # local SGD: the strategy's PeriodicModelAverager (None: every step syncs), and what was skipped because of it
+        self._averager: Any = None
+        self._params_deferred = False
+        self.local_sgd_counts = {"grad_checks_skipped": 0, "param_checks_deferred": 0, "fit_end_check_skipped": 0}
         self.last_check_ms = 0.0  # time spent in the last check step's checks (also logged as sync/check_ms)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
@@ -167,6 +176,13 @@ class SyncCheck(L.Callback):
 
     # -- hooks ----------------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # built in strategy.setup, after the callbacks' setup
+        self._averager = getattr(trainer.strategy, "_model_averager", None) if self.active else None
+        if self._averager is not None:
+            rank_zero_only(say)(
+                f"sync check: local SGD (parameters averaged every {self._averager.period} steps after step "
+                f"{self._averager.warmup_steps}): gradients are checked only before step {self._averager.warmup_steps}"
+                ", parameters right after averaging steps", logging.INFO)
         if not (self.active and self.at_fit_start):
             return
         start = time.perf_counter()
@@ -207,7 +223,9 @@ class SyncCheck(L.Callback):
         self._remove_hooks()
         trainable = self._named_params(pl_module, trainable=True)
         groups = []
-        if self.check_grads:
+        if self.check_grads and not self._grads_synced():
+            self.local_sgd_counts["grad_checks_skipped"] += 1
+        elif self.check_grads:
             groups.append(self._group("grad_mismatch", [(n, p.grad) for n, p in trainable],
                                       like=[p for _, p in trainable]))
         if self.check_unused and trainable:
@@ -230,15 +248,24 @@ class SyncCheck(L.Callback):
                            batch_idx: int) -> None:
         if not self._params_due:
             return
+        if not self._params_synced():
+            # local SGD between averaging steps: the replicas differ on purpose; check right after the next averaging
+            if not self._params_deferred:
+                self._params_deferred = True
+                self.local_sgd_counts["param_checks_deferred"] += 1
+                self._log_step(pl_module)
+            return
         start = time.perf_counter()
-        self._params_due = False
+        self._params_due = self._params_deferred = False
         group = self._group("param_mismatch", self._named_params(pl_module, trainable=False))
         self._run_check(trainer, [group], "after_optimizer_step", start)
         self._log_step(pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._remove_hooks()
-        if self.active and self.at_fit_end and self.check_params:
+        if self.active and self.at_fit_end and self.check_params and not self._params_synced():
+            self.local_sgd_counts["fit_end_check_skipped"] += 1
+        elif self.active and self.at_fit_end and self.check_params:
             start = time.perf_counter()
             group = self._group("param_mismatch", self._named_params(pl_module, trainable=False))
             self._run_check(trainer, [group], "fit_end", start)
@@ -363,6 +390,9 @@ class SyncCheck(L.Callback):
             "active": self.active, "every_n_steps": self.every_n_steps, "mode": self.mode,
             "on_mismatch": self.on_mismatch, "checks": self.checks, "findings": self.findings,
             "stopped": bool(self.on_mismatch == "stop" and any(self.findings[k] for k in SEVERE)),
+            "local_sgd": None if self._averager is None else {
+                "model_averaging_period": self._averager.period, "start_localSGD_iter": self._averager.warmup_steps,
+                **self.local_sgd_counts},
         })
 
     def _log_step(self, pl_module: L.LightningModule) -> None:
@@ -372,6 +402,21 @@ class SyncCheck(L.Callback):
         metrics["sync/check_ms"] = self.last_check_ms = self._step_ms
         self._step_counts, self._step_ms = {}, 0.0
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    # -- local SGD ------------------------------------------------------------------------------------------------
+    def _grads_synced(self) -> bool:
+        """Before this step's optimizer step: were its gradients all-reduced across all ranks?"""
+        # the post-local SGD hook all-reduces globally for the first start_localSGD_iter backward passes (= optimizer
+        # steps: Lightning skips the hook under no_sync while accumulating), as the averager counts its warm-up
+        return self._averager is None or self._averager.step < self._averager.warmup_steps
+
+    def _params_synced(self) -> bool:
+        """After an optimizer step: are the replicas' parameters meant to be identical now?"""
+        if self._averager is None:
+            return True
+        step = self._averager.step - 1  # the averager's count of the step just taken (it counts from 0)
+        warmup, period = self._averager.warmup_steps, self._averager.period
+        return step < warmup or (step - warmup) % period == 0
 
     # -- helpers --------------------------------------------------------------------------------------------------
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

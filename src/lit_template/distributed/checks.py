@@ -64,5 +64,12 @@ def check_trainer_config(trainer_cfg: DictConfig) -> None:
             f"set trainer.strategy.process_group_backend=gloo and trainer.accelerator=cpu, or {CPU_HINT}"
         )
 
+    if trainer_cfg.get("sync_batchnorm") and accelerator not in GPU_ACCELERATORS:
+        # torch's SyncBatchNorm is CUDA-only; DDP would fail later with "SyncBatchNorm layers only work with GPU modules"
+        raise ConfigError(
+            f"trainer.sync_batchnorm=true needs GPUs (torch's SyncBatchNorm is CUDA-only) but "
+            f"trainer.accelerator={accelerator}: add trainer.sync_batchnorm=false, or use trainer=ddp_cpu"
+        )
+
     if not isinstance(num_nodes, int) or num_nodes < 1:
         raise ConfigError(f"trainer.num_nodes={num_nodes!r}: must be a whole number >= 1")

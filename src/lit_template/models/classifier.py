@@ -39,16 +39,18 @@ class LitClassifier(L.LightningModule):
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
+        # Persistent: it is in the checkpoint, so a resumed run reports the same best as an uninterrupted one.
         self.val_acc_best = MaxMetric()
+        self.val_acc_best.persistent(True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
     def on_train_start(self) -> None:
-        # The sanity check ran validation already; its numbers must not count as the best.
+        # The sanity check ran validation already; its numbers must not count. val_acc_best is left alone: the sanity
+        # check never updates it, and after a resume it holds the restored best.
         self.val_loss.reset()
         self.val_acc.reset()
-        self.val_acc_best.reset()
 
     def model_step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x, y = batch
@@ -72,6 +74,8 @@ class LitClassifier(L.LightningModule):
         self.log("val/acc", self.val_acc, on_step=False, on_epoch=True, prog_bar=True)
 
     def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
         self.val_acc_best(self.val_acc.compute())
         self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True, prog_bar=True)
 

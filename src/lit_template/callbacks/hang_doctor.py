@@ -1,0 +1,192 @@
+"""Hang doctor: when a rank gets stuck, every rank says where it is, the odd rank is named, and the job ends.
+
+Every rank runs a watchdog thread (callbacks/hang_watchdog.py). The training loop marks progress at each loop event;
+when a rank has made none for ``stall_timeout_s`` its watchdog writes
+
+- ``<run dir>/hang/rank<R>.txt``: the Python stacks of all its threads,
+- ``<run dir>/hang/heartbeat/rank<R>.json``: its step, phase and top frame (the side channel: files, no collectives),
+- ``<run dir>/hang/flight_recorder/rank_<R>``: PyTorch's flight recorder (the last collectives of the process group),
+
+then one rank (rank zero, or the lowest rank that is not stuck) prints the table of all ranks, names the odd one and
+writes ``<run dir>/hang/summary.json``. With ``on_stall=abort`` every rank then exits with code 3, so a scheduler can
+restart the job from its last checkpoint; with ``report`` training keeps waiting. See docs/hang_doctor.md.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from lit_template.callbacks.hang_watchdog import ABORT_EXIT_CODE, Watchdog, WatchdogConfig
+from lit_template.callbacks.report import run_dir, say
+from lit_template.errors import ConfigError
+
+ON_STALL = ("abort", "report")
+# env vars this module set (not the user): a later job of a multirun may set them again for its own run dir
+_SET_BY_US: dict[str, str] = {}
+
+
+class HangDoctor(L.Callback):
+    def __init__(
+        self,
+        stall_timeout_s: float = 300.0,
+        on_stall: str = "abort",
+        heartbeat_interval_s: float = 5.0,
+        grace_s: float = 5.0,
+        exit_code: int = ABORT_EXIT_CODE,
+        flight_recorder: bool = True,
+        flight_recorder_entries: int = 2000,
+        process_group_backend: str | None = None,
+        output_dir: str | None = None,
+    ) -> None:
+        if on_stall not in ON_STALL:
+            raise ConfigError(f"callbacks.hang_doctor.on_stall={on_stall!r}: choose one of {', '.join(ON_STALL)}")
+        for name, value in (("stall_timeout_s", stall_timeout_s), ("heartbeat_interval_s", heartbeat_interval_s)):
+            if not value or value <= 0:
+                raise ConfigError(f"callbacks.hang_doctor.{name}={value!r}: must be a number of seconds > 0")
+        if grace_s is None or grace_s < 0:
+            raise ConfigError(f"callbacks.hang_doctor.grace_s={grace_s!r}: must be a number of seconds >= 0")
+        self.stall_timeout_s, self.on_stall = float(stall_timeout_s), on_stall
+        self.heartbeat_interval_s, self.grace_s, self.exit_code = float(heartbeat_interval_s), float(grace_s), exit_code
+        self.flight_recorder = flight_recorder and flight_recorder_entries > 0
+        self.backend = process_group_backend
+        self._watchdog: Watchdog | None = None
+        if self.flight_recorder:
+            # Read when the process group is created, which is after this (callbacks are built before the Trainer,
+            # whose launcher passes the environment on to the processes it starts).
+            _set_env("TORCH_FR_BUFFER_SIZE", str(flight_recorder_entries))
+            _set_env("TORCH_NCCL_TRACE_BUFFER_SIZE", str(flight_recorder_entries))
+            if process_group_backend == "nccl":
+                _set_env("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+                if output_dir:
+                    fr_dir = Path(output_dir) / "hang" / "flight_recorder"
+                    fr_dir.mkdir(parents=True, exist_ok=True)
+                    _set_env("TORCH_FR_DUMP_TEMP_FILE", f"{fr_dir}/rank_")
+                    _set_env("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f"{fr_dir}/rank_")
+
+    # -- start / stop -------------------------------------------------------------------------------------------
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The clock starts here, not at launch: starting processes and building the process group is not a stall.
+        hang_dir = run_dir(trainer) / "hang"
+        rank = trainer.global_rank
+        config = WatchdogConfig(
+            rank=rank, world_size=trainer.world_size, hang_dir=hang_dir, stall_timeout_s=self.stall_timeout_s,
+            on_stall=self.on_stall, heartbeat_interval_s=self.heartbeat_interval_s, grace_s=self.grace_s,
+            exit_code=self.exit_code,
+        )
+        if self.flight_recorder:
+            config.extra_dumps.append(lambda: _dump_flight_recorder(hang_dir / "flight_recorder" / f"rank_{rank}"))
+        self._stop("stopped")
+        self._watchdog = Watchdog(config, threading.get_ident(), step_fn=lambda: trainer.global_step)
+        self._watchdog.mark("train_start")
+        self._watchdog._write_beat(self._watchdog._beat(stalled=False))
+        self._watchdog.start()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop("stopped")
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._stop("exception")
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._stop("stopped")
+
+    def _stop(self, phase: str) -> None:
+        if self._watchdog is not None:
+            self._watchdog.stop(phase)
+            self._watchdog = None
+
+    @property
+    def longest_idle_s(self) -> float | None:
+        return self._watchdog.longest_idle_s if self._watchdog else None
+
+    # -- progress marks: one tuple assignment each ----------------------------------------------------------------
+    def _mark(self, phase: str) -> None:
+        if self._watchdog is not None:
+            self._watchdog.mark(phase)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._mark("train_epoch_start")
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._mark("train_batch_start")
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self._mark("before_backward")
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._mark("after_backward")
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self._mark("before_optimizer_step")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._mark("train_batch_end")
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._mark("train_epoch_end")
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._mark("validation_start")
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._mark("validation_batch_start")
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._mark("validation_batch_end")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._mark("validation_end")
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self._mark("save_checkpoint")
+
+
+def _set_env(key: str, value: str) -> None:
+    """Set ``key`` unless the user did: a value they exported wins."""
+    if key in os.environ and _SET_BY_US.get(key) != os.environ[key]:
+        return
+    os.environ[key] = _SET_BY_US[key] = value
+
+
+def _dump_flight_recorder(path: Path) -> str | None:
+    """Write PyTorch's flight recorder of this rank's process groups (the pickle ``torchfrtrace`` reads); return one
+    line on its last collective, e.g. ``#62 gloo:broadcast, 2 not completed``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch._C import _distributed_c10d as c10d
+
+    dump = c10d._dump_nccl_trace if dist.get_backend() == "nccl" and hasattr(c10d, "_dump_nccl_trace") else \
+        getattr(c10d, "_dump_fr_trace", None)
+    if dump is None:
+        say("hang doctor: this PyTorch has no flight recorder dump; only the stacks are written")
+        return None
+    data = dump()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return _last_collective(data)
+
+
+def _last_collective(data: bytes) -> str | None:
+    try:
+        record = pickle.loads(data)
+        entries = [e for e in record.get("entries", []) if not e.get("is_p2p")]
+        if not entries:
+            return None
+        last = max(entries, key=lambda e: e.get("collective_seq_id", 0))
+        status = record.get("pg_status", {}).get(str(last.get("pg_id", 0)), {})
+        done = status.get("last_completed_collective")
+        return f"#{last.get('collective_seq_id')} {last.get('profiling_name')} enqueued, #{done} completed"
+    except Exception:  # a format change must not cost us the rest of the report
+        return None

@@ -1,0 +1,129 @@
+"""Catch a NaN/Inf loss or gradient on any rank, in the step it happens, on every rank at once.
+
+Each rank notes whether its loss (``on_before_backward``) and its gradients (``on_before_optimizer_step``, after
+DDP's all-reduce) are finite. Then every rank, at every optimizer step, all-gathers one tiny flags tensor, so all
+ranks see the same picture and take the same decision: none waits in a collective the others skipped.
+
+- ``on_nonfinite=stop``: every rank raises ``NonFiniteError`` naming the rank(s) and the step.
+- ``on_nonfinite=skip``: every rank drops its gradients, so ``optimizer.step()`` leaves the parameters (and Adam's
+  moments) as they were; the run goes on.
+
+Each event is a record in ``<run dir>/reports/nonfinite.jsonl`` and one sentence on the console (rank zero).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from lit_template.callbacks.report import append_jsonl, reports_dir, say
+from lit_template.errors import ConfigError
+
+CHOICES = ("stop", "skip")
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN/Inf loss or gradient with ``on_nonfinite=stop``; raised on every rank in the same step."""
+
+
+@dataclass
+class NonFiniteEvent:
+    kind: str
+    global_step: int
+    ranks: list[int]
+    what: str  # "loss" | "grad"
+    tensor: str | None  # the first parameter whose gradient is not finite (what == "grad")
+    loss: dict[str, float]  # rank -> its loss at that step
+    action: str  # "stop" | "skip"
+
+    def sentence(self) -> str:
+        ranks = ", ".join(str(r) for r in self.ranks)
+        label = f"rank{'s' if len(self.ranks) > 1 else ''} {ranks}"
+        if self.what == "loss":
+            losses = ", ".join(f"{self.loss[str(r)]:g}" for r in self.ranks)
+            head = f"non-finite loss on {label} at step {self.global_step} (loss={losses})"
+        else:
+            head = f"non-finite gradient of {self.tensor} on {label} at step {self.global_step}"
+        if self.action == "stop":
+            return f"{head}; stopping every rank (callbacks.nonfinite_guard.on_nonfinite=skip skips such steps)"
+        return f"{head}; skipping this optimizer step on every rank"
+
+
+class NonFiniteGuard(L.Callback):
+    def __init__(self, on_nonfinite: str = "stop", check_grads: bool = True) -> None:
+        if on_nonfinite not in CHOICES:
+            raise ConfigError(
+                f"callbacks.nonfinite_guard.on_nonfinite={on_nonfinite!r}: choose one of {', '.join(CHOICES)}"
+            )
+        self.on_nonfinite, self.check_grads = on_nonfinite, check_grads
+        self.skipped_steps: list[int] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._loss_bad = False
+        self._loss_value = 0.0
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        # Called once per micro-batch: with gradient accumulation one bad micro-batch makes the step bad.
+        loss = loss.detach()
+        if not bool(torch.isfinite(loss).all()):
+            self._loss_bad = True
+            self._loss_value = float(loss.float().sum())
+        elif not self._loss_bad:
+            self._loss_value = float(loss.float().sum())
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        first_bad = -1
+        if self.check_grads:
+            for i, (_, param) in enumerate(pl_module.named_parameters()):
+                if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
+                    first_bad = i
+                    break
+        local = torch.tensor([float(self._loss_bad), float(first_bad >= 0), float(first_bad), self._loss_value],
+                             dtype=torch.float64, device=pl_module.device)
+        self._reset()
+        # every rank, every optimizer step, the same one collective
+        flags = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local
+        flags = flags.reshape(-1, 4).cpu()
+        loss_ranks = [r for r in range(flags.shape[0]) if flags[r, 0] > 0]
+        grad_ranks = [r for r in range(flags.shape[0]) if flags[r, 1] > 0]
+        if not loss_ranks and not grad_ranks:
+            return
+        names = [name for name, _ in pl_module.named_parameters()]
+        what, ranks = ("loss", loss_ranks) if loss_ranks else ("grad", grad_ranks)
+        tensor = names[int(flags[ranks[0], 2])] if what == "grad" else None
+        event = NonFiniteEvent(
+            kind="nonfinite", global_step=trainer.global_step, ranks=ranks, what=what, tensor=tensor,
+            loss={str(r): float(flags[r, 3]) for r in range(flags.shape[0])}, action=self.on_nonfinite,
+        )
+        self._report(trainer, event)
+        if self.on_nonfinite == "stop":
+            raise NonFiniteError(event.sentence())
+        self.skipped_steps.append(trainer.global_step)
+        optimizer.zero_grad(set_to_none=True)
+        for param in pl_module.parameters():
+            param.grad = None
+
+    @rank_zero_only
+    def _report(self, trainer: L.Trainer, event: NonFiniteEvent) -> None:
+        append_jsonl(reports_dir(trainer) / "nonfinite.jsonl", _json_safe(asdict(event)))
+        say(event.sentence(), logging.ERROR if event.action == "stop" else logging.WARNING)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_steps": list(self.skipped_steps)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped_steps = list(state_dict.get("skipped_steps", []))
+
+
+def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
+    # JSON has no NaN: write the loss values as strings when they are not finite
+    record["loss"] = {r: v if math.isfinite(v) else str(v) for r, v in record["loss"].items()}
+    return record

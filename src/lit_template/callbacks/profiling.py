@@ -1,0 +1,556 @@
+"""Profiling: step time, data wait, throughput, MFU, memory and stragglers per optimizer step; traces; a report.
+
+On by default in light mode (cheap timers, one small all_gather per log interval, no trace). See docs/profiling.md.
+
+    python train.py trainer=ddp_cpu callbacks.profiling.trace.enabled=true    # + a torch.profiler trace per rank
+    python train.py callbacks.profiling=null                                   # off
+
+Per optimizer step (all micro-batches of an accumulated step together; sanity check and validation excluded):
+step time, data wait (end of one batch to the start of the next), samples (and tokens), time to the gradient sync.
+Every ``log_every_n_steps`` each rank's window is gathered; rank zero logs ``perf/*``, names the slowest rank
+(``reports/stragglers.jsonl``), and at the end of fit writes ``reports/profile.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from array import array
+from collections import Counter
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+from lit_template.callbacks.profiling_stats import (
+    CpuClock,
+    CudaClock,
+    GlobalWindow,
+    MemoryStats,
+    RankWindow,
+    StepTimer,
+    WindowStats,
+    batch_counts,
+    find_straggler,
+    mfu_pct,
+    percentile,
+    plot_profile,
+    render_markdown,
+)
+from lit_template.callbacks.report import append_jsonl, reports_dir, run_dir, say, write_json
+from lit_template.errors import ConfigError
+
+OPTION = "callbacks.profiling"
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """torch.profiler window: after ``skip_first`` steps, ``repeat`` cycles (0: until the end) of
+    ``wait`` + ``warmup`` + ``active`` steps; one trace file per cycle per global rank."""
+
+    enabled: bool = False
+    skip_first: int = 5
+    wait: int = 1
+    warmup: int = 1
+    active: int = 3
+    repeat: int = 1
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+
+
+@dataclass(frozen=True)
+class MemorySnapshotConfig:
+    """CUDA allocator history, dumped at ``at_step`` (or at the end of fit, or at an OOM) for pytorch.org/memory_viz."""
+
+    enabled: bool = False
+    max_entries: int = 100_000
+    at_step: int | None = None
+
+
+def _options(cls: type, name: str, given: Mapping[str, Any] | None) -> Any:
+    given = dict(given or {})
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ConfigError(f"{OPTION}.{name}.{unknown[0]} is not an option; the options are: {', '.join(sorted(known))}")
+    return cls(**given)
+
+
+class ProfilingCallback(L.Callback):
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        peak_flops: float | None = None,
+        mfu: bool = True,
+        straggler_warn_pct: float = 10.0,
+        plot: bool = True,
+        trace: Mapping[str, Any] | None = None,
+        memory_snapshot: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ConfigError(f"{OPTION}.log_every_n_steps must be >= 1 (or null: the trainer's), "
+                              f"got {log_every_n_steps}")
+        if peak_flops is not None and not peak_flops > 0:
+            raise ConfigError(f"{OPTION}.peak_flops must be a positive FLOP/s per device (or null), got {peak_flops}")
+        self.trace = _options(TraceConfig, "trace", trace)
+        self.memory_snapshot = _options(MemorySnapshotConfig, "memory_snapshot", memory_snapshot)
+        t = self.trace
+        for name in ("skip_first", "wait", "warmup", "repeat"):
+            if getattr(t, name) < 0:
+                raise ConfigError(f"{OPTION}.trace.{name} must be >= 0, got {getattr(t, name)}")
+        if t.active < 1:
+            raise ConfigError(f"{OPTION}.trace.active must be >= 1, got {t.active}")
+        self.log_every_n_steps = log_every_n_steps
+        self.peak_flops_override = float(peak_flops) if peak_flops is not None else None
+        self.mfu = mfu
+        self.straggler_warn_pct = straggler_warn_pct
+        self.plot = plot
+        self._now = clock
+        self._reset()
+
+    def _reset(self) -> None:
+        self._timer: StepTimer | None = None
+        self._device = torch.device("cpu")
+        self._every = 1
+        self._world_size = 1
+        self._global_rank = 0
+        self._last_global_step = 0
+        self._last_emit_window = 0
+        self._peak_flops: float | None = None
+        self._flops_per_sample: float | None = None
+        self._flop_counter: Any | None = None
+        self._flop_samples = 0
+        self._untimed_step = False
+        self._profiler: torch.profiler.profile | None = None
+        self._trace_files: list[str] = []
+        self._snapshot_files: list[str] = []
+        self._snapshot_taken = False
+        self._windows: list[GlobalWindow] = []  # rank zero: every rank's row at every log step
+        self._own_steps = array("l")  # this rank's steps, for the plot and the exact percentiles
+        self._own_step_ms = array("d")
+        self._own_wait_ms = array("d")
+        self._reported = False
+        self._retries_seen = 0.0
+        self._ooms_seen = 0.0
+        self._trainer: L.Trainer | None = None
+        self._hooks: list[Any] = []
+        self._process: Any = None
+
+    # -- setup --------------------------------------------------------------------------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._reset()
+        self._trainer = trainer
+        self._device = trainer.strategy.root_device
+        self._world_size, self._global_rank = trainer.world_size, trainer.global_rank
+        self._every = self.log_every_n_steps or trainer.log_every_n_steps or 50
+        on_cuda = self._device.type == "cuda"
+        if self.memory_snapshot.enabled and not on_cuda:
+            raise ConfigError(f"{OPTION}.memory_snapshot.enabled=true needs a CUDA device; this run is on "
+                              f"{self._device.type}: set it to false or use a GPU trainer")
+        self._timer = StepTimer(CudaClock(self._device) if on_cuda else CpuClock(self._now))
+        import psutil
+
+        self._process = psutil.Process()
+        self._peak_flops = self._find_peak_flops(trainer) if self.mfu else None
+
+    def _find_peak_flops(self, trainer: L.Trainer) -> float | None:
+        if self.peak_flops_override is not None:
+            return self.peak_flops_override
+        if self._device.type != "cuda":  # no table for CPUs: MFU is absent rather than a made-up number
+            return None
+        from lightning.fabric.utilities.throughput import get_available_flops
+
+        try:
+            from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+
+            dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
+        except Exception:  # a private helper of Lightning; without it, assume full precision
+            dtype = torch.float32
+        peak = get_available_flops(self._device, dtype)
+        if peak is None:
+            self._say_rank_zero(f"profiling: MFU is not reported: Lightning has no peak FLOP/s for "
+                                f"{torch.cuda.get_device_name(self._device)!r} in {dtype}; set {OPTION}.peak_flops")
+        return float(peak) if peak else None
+
+    # -- the loop -----------------------------------------------------------------------------------------------------
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_global_step = trainer.global_step
+        self._last_emit_window = trainer.global_step // self._every
+        self._hook_forward(trainer)
+        if self.trace.enabled:
+            self._start_trace()
+        if self.memory_snapshot.enabled:
+            torch.cuda.memory._record_memory_history(max_entries=self.memory_snapshot.max_entries)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._timer.resume()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking and self._timer is not None:
+            self._timer.pause()
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._peak_flops and self._flops_per_sample is None and self._flop_counter is None:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            # Count this one real batch's forward and backward, rather than run the model again on the side.
+            self._flop_counter = FlopCounterMode(display=False)
+            self._flop_counter.__enter__()
+            self._flop_samples = batch_counts(batch)[0]
+        self._timer.batch_start()
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if self._timer is not None:
+            self._timer.before_backward()
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self._stop_flop_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._flop_counter is not None:
+            self._stop_flop_counter()
+        step = trainer.global_step
+        stepped = step != self._last_global_step
+        self._last_global_step = step
+        samples, tokens = batch_counts(batch)
+        # The step whose FLOPs were counted ran slower under the counter: it is not timed.
+        self._timer.batch_end(samples, tokens, stepped, step, keep=not self._untimed_step)
+        if not stepped:
+            return
+        self._untimed_step = False
+        if self._profiler is not None:
+            self._profiler.step()
+        snap = self.memory_snapshot
+        if snap.enabled and snap.at_step is not None and step >= snap.at_step:
+            self._dump_snapshot()
+        if step // self._every > self._last_emit_window:
+            self._last_emit_window = step // self._every
+            self._emit(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The last, partial window. Every rank has made the same steps, so all or none gather here.
+        if trainer.global_step > self._last_emit_window * self._every:
+            self._last_emit_window = math.ceil(trainer.global_step / self._every)
+            self._emit(trainer)
+        self._unhook_forward()
+        self._stop_trace()
+        if self.memory_snapshot.enabled:
+            self._dump_snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write_report(trainer, complete=True)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # No collectives here: the other ranks may be gone. Keep what this rank has.
+        self._stop_flop_counter()
+        self._unhook_forward()
+        self._stop_trace()
+        if self.memory_snapshot.enabled and isinstance(exception, torch.OutOfMemoryError):
+            self._snapshot_taken = False
+            self._dump_snapshot()
+        if self._timer is not None and trainer.state.fn == "fit":
+            try:
+                self._write_report(trainer, complete=False)
+            except Exception as err:  # noqa: BLE001  the run's own exception is the one the user must see
+                say(f"profiling: no partial report after the failure ({type(err).__name__}: {err})")
+
+    # -- measuring ----------------------------------------------------------------------------------------------------
+    def _hook_forward(self, trainer: L.Trainer) -> None:
+        """Under DDP, mark the wrapped model's forward and its inner module's: in between, DDP broadcasts buffers,
+        where a fast rank waits for a slow one before the gradient sync. That wait is not the rank's own time."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = trainer.strategy.model
+        if isinstance(model, DistributedDataParallel):
+            self._hooks = [model.register_forward_pre_hook(lambda *_: self._timer.forward_enter()),
+                           model.module.register_forward_pre_hook(lambda *_: self._timer.forward_synced())]
+
+    def _unhook_forward(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _stop_flop_counter(self) -> None:
+        if self._flop_counter is None:
+            return
+        counter, self._flop_counter = self._flop_counter, None
+        self._untimed_step = True
+        counter.__exit__(None, None, None)
+        total = counter.get_total_flops()
+        self._flops_per_sample = total / max(self._flop_samples, 1) if total else 0.0
+        if not total:
+            self._say_rank_zero("profiling: MFU is not reported: the FLOP counter saw no matmuls or convolutions")
+
+    def _emit(self, trainer: L.Trainer) -> None:
+        records = self._timer.take()
+        for r in records:
+            self._own_steps.append(r.step)
+            self._own_step_ms.append(r.step_time_s * 1e3)
+            self._own_wait_ms.append(r.data_wait_s * 1e3)
+        memory = MemoryStats.sample(self._device, self._process)
+        mine = RankWindow(self._global_rank, WindowStats.from_records(records), memory)
+        if self._world_size > 1:
+            row = torch.tensor(mine.encode(), dtype=torch.float64, device=self._device)
+            gathered = trainer.strategy.all_gather(row).reshape(self._world_size, RankWindow.width())
+            ranks = [RankWindow.decode(r) for r in gathered.cpu().tolist()]
+        else:
+            ranks = [mine]
+        if trainer.is_global_zero:
+            straggler = find_straggler(trainer.global_step, ranks)
+            self._on_window(trainer, GlobalWindow(trainer.global_step, ranks, straggler, self._flops_per_sample or None,
+                                                  self._peak_flops))
+
+    def _on_window(self, trainer: L.Trainer, window: GlobalWindow) -> None:
+        """Rank zero: keep the window, log its figures, say what needs saying."""
+        self._windows.append(window)
+        own = next(r for r in window.ranks if r.global_rank == self._global_rank)
+        w = own.window
+        if w.steps == 0:
+            return
+        metrics = {
+            "perf/step_time_ms_p50": w.step_time_s_p50 * 1e3,
+            "perf/step_time_ms_p90": w.step_time_s_p90 * 1e3,
+            "perf/step_time_ms_max": w.step_time_s_max * 1e3,
+            "perf/data_wait_ms": w.data_wait_s / w.steps * 1e3,
+            "perf/data_wait_pct": w.data_wait_pct,
+            "perf/samples_per_s": w.samples_per_s,
+            "perf/samples_per_s_global": window.samples_per_s_global,
+        }
+        if window.tokens:
+            metrics["perf/tokens_per_s"] = w.tokens_per_s
+            metrics["perf/tokens_per_s_global"] = window.tokens_per_s_global
+        if window.mfu_pct is not None:
+            metrics["perf/mfu_pct"] = window.mfu_pct
+        for name in ("rss_gib", "max_allocated_gib", "max_reserved_gib"):
+            values = [getattr(r.memory, name) for r in window.ranks if not math.isnan(getattr(r.memory, name))]
+            if values:
+                metrics[f"perf/{name}_min"], metrics[f"perf/{name}_max"] = min(values), max(values)
+        for name in ("alloc_retries", "ooms"):
+            values = [getattr(r.memory, name) for r in window.ranks if not math.isnan(getattr(r.memory, name))]
+            if values:
+                metrics[f"perf/{name}"] = sum(values)
+        s = window.straggler
+        if s is not None:
+            metrics["perf/straggler_global_rank"] = float(s.global_rank)
+            metrics["perf/straggler_lag_ms"] = s.lag_s * 1e3
+            self._report_straggler(trainer, window)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        self._say_memory_problems(window)
+
+    def _report_straggler(self, trainer: L.Trainer, window: GlobalWindow) -> None:
+        s = window.straggler
+        record = {
+            "kind": "straggler", "global_step": window.step, "ranks": self._world_size,
+            "slowest_global_rank": s.global_rank, "lag_ms": s.lag_s * 1e3, "lag_pct": s.lag_pct,
+            "wait_for_slowest_ms_mean": s.wait_for_slowest_s_mean * 1e3,
+            "pre_sync_ms_mean": {str(r.global_rank): r.window.pre_sync_s_mean * 1e3 for r in window.ranks},
+            "step_time_ms_p50": {str(r.global_rank): r.window.step_time_s_p50 * 1e3 for r in window.ranks},
+        }
+        append_jsonl(reports_dir(trainer) / "stragglers.jsonl", record)
+        if s.lag_pct >= self.straggler_warn_pct:
+            say(f"straggler: global rank {s.global_rank} was the slowest rank up to step {window.step}: it reached the "
+                f"gradient sync {s.lag_s * 1e3:.1f} ms ({s.lag_pct:.0f}% of a step) after the median of the other "
+                f"ranks, who waited for it.")
+
+    def _say_memory_problems(self, window: GlobalWindow) -> None:
+        retries = sum(r.memory.alloc_retries for r in window.ranks if not math.isnan(r.memory.alloc_retries))
+        ooms = sum(r.memory.ooms for r in window.ranks if not math.isnan(r.memory.ooms))
+        if retries > self._retries_seen:
+            say(f"memory: {retries - self._retries_seen:.0f} CUDA allocation retries (cache flushes) up to step "
+                f"{window.step}, summed over ranks: memory is near its limit or fragmented.")
+        if ooms > self._ooms_seen:
+            say(f"memory: {ooms - self._ooms_seen:.0f} CUDA out-of-memory errors up to step {window.step}, summed over "
+                f"ranks.")
+        self._retries_seen, self._ooms_seen = max(retries, self._retries_seen), max(ooms, self._ooms_seen)
+
+    # -- traces -------------------------------------------------------------------------------------------------------
+    def _start_trace(self) -> None:
+        t = self.trace
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self._device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(
+            activities=activities,
+            schedule=torch.profiler.schedule(skip_first=t.skip_first, wait=t.wait, warmup=t.warmup, active=t.active,
+                                             repeat=t.repeat),
+            on_trace_ready=self._export_trace,
+            record_shapes=t.record_shapes,
+            profile_memory=t.profile_memory,
+            with_stack=t.with_stack,
+        )
+        self._profiler.start()
+
+    def _export_trace(self, prof: torch.profiler.profile) -> None:
+        # One file per cycle per global rank, named by both: Perfetto (ui.perfetto.dev) and TensorBoard's profiler
+        # plugin (it looks for *.pt.trace.json) open them.
+        step = self._trainer.global_step if self._trainer is not None else prof.step_num
+        path = run_dir(self._trainer) / "traces" / f"rank{self._global_rank}_step{step}.pt.trace.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        self._trace_files.append(str(path))
+
+    def _stop_trace(self) -> None:
+        if self._profiler is not None:
+            profiler, self._profiler = self._profiler, None
+            profiler.stop()
+
+    def _dump_snapshot(self) -> None:
+        if self._snapshot_taken or self._trainer is None:
+            return
+        self._snapshot_taken = True
+        path = run_dir(self._trainer) / "traces" / (f"memory_rank{self._global_rank}_step"
+                                                     f"{self._trainer.global_step}.pickle")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(path))
+        self._snapshot_files.append(str(path))
+
+    # -- the report ---------------------------------------------------------------------------------------------------
+    @rank_zero_only
+    def _say_rank_zero(self, message: str) -> None:
+        say(message)
+
+    @rank_zero_only
+    def _write_report(self, trainer: L.Trainer, complete: bool) -> None:
+        if self._reported:
+            return
+        self._reported = True
+        report = self._build_report(trainer, complete)
+        out = reports_dir(trainer)
+        files = {"json": str(out / "profile.json"), "markdown": str(out / "profile.md")}
+        if self.plot:
+            try:
+                plot_profile(out / "profile.png", self._own_steps, self._own_step_ms, self._windows)
+                files["plot"] = str(out / "profile.png")
+            except Exception as err:  # a broken matplotlib install must not fail a finished run
+                say(f"profiling: the plot was not drawn ({type(err).__name__}: {err})")
+        report["files"] = files
+        write_json(out / "profile.json", report)
+        (out / "profile.md").write_text(render_markdown(report))
+        st, th = report["step_time_ms"], report["throughput"]
+        mfu = f", MFU {_num(report['mfu']['mfu_pct'], '.1f')}%" if "mfu" in report else ""
+        # A run that failed before its first measured step has no numbers: say so, never fail on formatting them.
+        say(f"profile: {report['steps_measured']} steps, step time p50 {_num(st['p50'], '.2f')} ms (p90 "
+            f"{_num(st['p90'], '.2f')}, max {_num(st['max'], '.2f')}), data wait {_num(report['data_wait']['pct'], '.1f')}%, "
+            f"{_num(th['samples_per_s_global'], '.0f')} samples/s over {self._world_size} rank(s){mfu}; report in "
+            f"{out / 'profile.md'}", level=logging.INFO)
+
+    def _build_report(self, trainer: L.Trainer, complete: bool) -> dict[str, Any]:
+        nan_to_none = lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else v  # noqa: E731
+        step_ms = list(self._own_step_ms)
+        windows = [w for w in self._windows if any(r.window.steps for r in w.ranks)]
+        per_rank: dict[int, list] = {}
+        for w in windows:
+            for r in w.ranks:
+                per_rank.setdefault(r.global_rank, []).append(r)
+        totals = {rank: _total(rows) for rank, rows in sorted(per_rank.items())}
+        own = totals.get(self._global_rank)
+        samples_global = sum(t["samples"] for t in totals.values())
+        tokens_global = sum(t["tokens"] for t in totals.values())
+        time_global = max((t["time_s"] for t in totals.values()), default=0.0)
+        report: dict[str, Any] = {
+            "kind": "profile",
+            "global_step": trainer.global_step,
+            "ranks": self._world_size,
+            "complete": complete,
+            "device": str(self._device.type if self._device.type != "cuda"
+                          else torch.cuda.get_device_name(self._device)),
+            "log_every_n_steps": self._every,
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "steps_measured": len(step_ms),
+            "step_time_ms": {"p50": percentile(step_ms, 50), "p90": percentile(step_ms, 90),
+                             "max": max(step_ms, default=math.nan),
+                             "mean": sum(step_ms) / len(step_ms) if step_ms else math.nan},
+            "data_wait": {"ms_per_step": sum(self._own_wait_ms) / len(step_ms) if step_ms else math.nan,
+                          "pct": 100.0 * sum(self._own_wait_ms) / sum(step_ms) if step_ms else math.nan},
+            "throughput": {"samples": samples_global,
+                           "samples_per_s": own["samples"] / own["time_s"] if own and own["time_s"] else math.nan,
+                           "samples_per_s_global": samples_global / time_global if time_global else math.nan},
+            "memory": {},
+            "per_rank": [],
+        }
+        if tokens_global:
+            report["throughput"].update(tokens=tokens_global, tokens_per_s=own["tokens"] / own["time_s"],
+                                        tokens_per_s_global=tokens_global / time_global)
+        if self._flops_per_sample and self._peak_flops and time_global:
+            report["mfu"] = {
+                "mfu_pct": mfu_pct(self._flops_per_sample, samples_global / time_global / self._world_size,
+                                   self._peak_flops),
+                "flops_per_sample": self._flops_per_sample,
+                "peak_flops_per_device": self._peak_flops,
+                "peak_from": "config" if self.peak_flops_override is not None else "lightning",
+            }
+        for name in ("rss_gib", "max_allocated_gib", "max_reserved_gib", "alloc_retries", "ooms"):
+            values = [getattr(r.memory, name) for rows in per_rank.values() for r in rows]
+            values = [v for v in values if not math.isnan(v)]
+            if values:
+                report["memory"][name] = {"min": min(values), "max": max(values)}
+        for rank, t in totals.items():
+            report["per_rank"].append({"global_rank": rank, **{k: v for k, v in t.items() if k != "tokens"}})
+        stragglers = [w.straggler for w in windows if w.straggler is not None]
+        if stragglers:
+            counts = Counter(s.global_rank for s in stragglers)
+            report["stragglers"] = {
+                "windows": len(stragglers),
+                "slowest_global_rank": counts.most_common(1)[0][0],
+                "times_slowest": {str(k): v for k, v in sorted(counts.items())},
+                "lag_ms_mean": 1e3 * sum(s.lag_s for s in stragglers) / len(stragglers),
+                "lag_ms_max": 1e3 * max(s.lag_s for s in stragglers),
+                "lag_pct_mean": sum(s.lag_pct for s in stragglers) / len(stragglers),
+                "file": str(reports_dir(trainer) / "stragglers.jsonl"),
+            }
+        if self._trace_files:
+            report["traces_dir"] = str(Path(self._trace_files[0]).parent)
+            report["traces"] = sorted(Path(p).name for p in self._trace_files)  # rank zero's; each rank writes its own
+        if self._snapshot_files:
+            report["memory_snapshots"] = sorted(Path(p).name for p in self._snapshot_files)
+        return _clean(report, nan_to_none)
+
+
+def _total(rows: list[RankWindow]) -> dict[str, Any]:
+    """One rank over the whole fit, from its windows (p50 is the median of its window p50s)."""
+    steps = sum(r.window.steps for r in rows)
+    time_s = sum(r.window.time_s for r in rows)
+    wait_s = sum(r.window.data_wait_s for r in rows)
+    samples = sum(r.window.samples for r in rows)
+    rss = [r.memory.rss_gib for r in rows if not math.isnan(r.memory.rss_gib)]
+    return {
+        "steps": steps,
+        "time_s": time_s,
+        "step_time_ms_mean": 1e3 * time_s / steps if steps else math.nan,
+        "step_time_ms_p50": 1e3 * percentile([r.window.step_time_s_p50 for r in rows], 50),
+        "step_time_ms_max": 1e3 * max(r.window.step_time_s_max for r in rows),
+        "pre_sync_ms_mean": 1e3 * sum(r.window.pre_sync_s for r in rows) / steps if steps else math.nan,
+        "data_wait_pct": 100.0 * wait_s / time_s if time_s else math.nan,
+        "samples": samples,
+        "tokens": sum(r.window.tokens for r in rows),
+        "samples_per_s": samples / time_s if time_s else math.nan,
+        "rss_gib_max": max(rss) if rss else math.nan,
+    }
+
+
+def _clean(value: Any, fix: Callable[[Any], Any]) -> Any:
+    """NaN -> None all through, so the JSON is valid and an absent figure reads as absent."""
+    if isinstance(value, dict):
+        return {k: _clean(v, fix) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v, fix) for v in value]
+    return fix(value)
+
+
+def _num(value: Any, spec: str) -> str:
+    """``value`` formatted with ``spec``, or ``n/a`` when there is no number (no step measured)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value, spec)
