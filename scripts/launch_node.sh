@@ -9,10 +9,15 @@
 # Environment: MASTER_PORT (default 29500), LT_RUN_ID (the run dir's name, the same on every node; default: derived
 # from MASTER_ADDR, MASTER_PORT and the date — set it to keep runs apart), PYTHON (default: .venv/bin/python or python3),
 # TRAINER (default ddp_multinode), TORCHRUN_ARGS (extra torchrun flags, e.g. "--max-restarts=3").
+#
+# Rendezvous: torchrun's c10d backend on MASTER_ADDR:MASTER_PORT; torchrun may number the nodes in the order they
+# join (NODE_RANK is checked here, GROUP_RANK is what the job uses). Each attempt (after a --max-restarts restart)
+# gets a fresh store for init_process_group: with the store shared across attempts (torch's default), a restarted
+# rank can read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712).
 set -euo pipefail
 
 if [[ $# -lt 2 ]]; then
-  sed -n '2,13p' "$0" >&2
+  sed -n '2,11p' "$0" >&2
   exit 2
 fi
 NODE_RANK=$1; MASTER_ADDR=$2; shift 2
@@ -33,11 +38,12 @@ if [[ $NPROC_PER_NODE == gpu ]]; then
   NPROC_PER_NODE=$("$PYTHON" -c "import torch; print(max(torch.cuda.device_count(), 1))")
 fi
 export GPUS_PER_NODE=$NPROC_PER_NODE
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 echo "node $NODE_RANK/$NNODES: $NPROC_PER_NODE processes, rendezvous $MASTER_ADDR:$MASTER_PORT, run dir logs/.../$LT_RUN_ID" >&2
 # shellcheck disable=SC2086
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node="$NPROC_PER_NODE" \
-  --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" --rdzv_id="$LT_RUN_ID" \
+  --rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$LT_RUN_ID" \
   ${TORCHRUN_ARGS:-} \
   train.py trainer="${TRAINER:-ddp_multinode}" "$@"

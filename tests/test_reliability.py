@@ -166,12 +166,15 @@ def test_a_dead_rank_ends_the_job_non_zero_and_is_named(train, action, named):
 @pytest.mark.ddp
 @pytest.mark.timeout(300)
 def test_torchrun_restarts_after_a_killed_rank_and_resumes_from_last_ckpt(tmp_path):
+    # scripts/launch_node.sh on one "node" with 2 processes and one restart allowed; rank 1 is SIGKILLed at step 6 in
+    # the first attempt, torchrun restarts both ranks, and ckpt_path=auto picks up the first attempt's last.ckpt.
     log_dir = tmp_path / "logs"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "PYTHONWARNINGS": "ignore", "LT_RUN_ID": "torchrun-1"}
-    for key in ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "PYTHONWARNINGS": "ignore", "LT_RUN_ID": "torchrun-1",
+           "MASTER_PORT": str(free_port()), "PYTHON": sys.executable, "TRAINER": "ddp_cpu",
+           "TORCHRUN_ARGS": "--max-restarts=1"}
+    for key in ("MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
         env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--max-restarts=1",
-           f"--master-port={free_port()}", str(ROOT / "train.py"), *DDP, "trainer.devices=2", *QUICK, "trainer.max_epochs=3",
+    cmd = ["bash", "scripts/launch_node.sh", "0", "127.0.0.1", "1", "2", *DDP[1:], *QUICK, "trainer.max_epochs=3",
            "trainer.limit_train_batches=4", "ckpt_path=auto",
            "+callbacks.kill._target_=reliability_faults.KillOnFirstAttempt", "+callbacks.kill.step=6",
            f"paths.log_dir={log_dir}"]
