@@ -2,7 +2,8 @@
 
 Given to the callback through the entry point (``PYTHONPATH=tests``):
 ``+callbacks.profiling.clock._target_=profiling_support.TickClock``. The callback reads its clock exactly at
-epoch start and at each batch's start, backward and end, so every micro-batch takes 3 ticks, 1 of them data wait.
+epoch start, around each training fetch (start, end) and at each batch's start, backward and end, so every
+micro-batch takes 5 ticks, 1 of them data wait (2 for an epoch's first: creating the iterator counts too).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Runs shared by several tests are made once per module. Timing that must be exact uses tests/profiling_support.py's
 TickClock (``+callbacks.profiling.clock._target_=profiling_support.TickClock``): every reading of the clock is one tick
-later, so each micro-batch takes exactly 3 ticks, 1 of them waiting for data.
+later, so each micro-batch takes exactly 5 ticks, 1 of them waiting for data (2 for the epoch's first).
 """
 
 from __future__ import annotations
@@ -89,6 +89,23 @@ def test_step_math_with_a_patched_clock():
     assert math.isnan(percentile([], 50))
 
 
+def test_data_wait_is_the_fetch_not_the_whole_gap_between_batches():
+    # epoch start 0; fetch 0.001-0.004 (first batch: the 1 ms before the fetch, creating the iterator, counts too);
+    # batch 0.005-0.020; other callbacks' hooks and logging until 0.050, fetch 0.050-0.052; batch 0.053-0.060
+    clock = ListClock([0.000, 0.001, 0.004, 0.005, 0.010, 0.020,
+                       0.050, 0.052, 0.053, 0.055, 0.060])
+    timer = StepTimer(CpuClock(clock))
+    timer.resume()
+    timer.fetch_start(), timer.fetch_end()
+    timer.batch_start(), timer.before_backward(), timer.batch_end(8, 0, stepped=True, step=1)
+    timer.fetch_start(), timer.fetch_end()
+    timer.batch_start(), timer.before_backward(), timer.batch_end(8, 0, stepped=True, step=2)
+    s1, s2 = timer.take()
+    assert (s1.step_time_s, s1.data_wait_s) == pytest.approx((0.020, 0.004))
+    # the 30 ms of hooks after batch 1 are step time, not data wait
+    assert (s2.step_time_s, s2.data_wait_s) == pytest.approx((0.040, 0.002))
+
+
 def tick_run(runs, accumulate: int) -> Run:
     """A whole epoch of batches of 100 on the tick clock."""
     return runs(f"tick_acc{accumulate}", "trainer.max_epochs=1", "++trainer.limit_val_batches=2", "test=false",
@@ -99,22 +116,24 @@ def tick_run(runs, accumulate: int) -> Run:
 def test_tick_clock_through_train_py_gives_exact_figures(runs):
     run = tick_run(runs, 1)
     r = report(run)
-    # 12 batches of 100 and a last one of 95; every step 3 ticks, 1 of them data wait, 2 up to the backward
+    # 12 batches of 100 and a last one of 95; every step 5 ticks: the gap since the last batch (fetch start, fetch
+    # end, batch start) and the batch (backward, end). Data wait is the fetch: 1 tick, 2 for the epoch's first batch
+    # (creating the iterator counts); the gap's 3rd tick (other hooks) is not data wait.
     assert r["steps_measured"] == r["global_step"] == 13
-    assert r["step_time_ms"] == pytest.approx({"p50": 3.0, "p90": 3.0, "max": 3.0, "mean": 3.0})
-    assert r["data_wait"] == pytest.approx({"ms_per_step": 1.0, "pct": 100 / 3})
+    assert r["step_time_ms"] == pytest.approx({"p50": 5.0, "p90": 5.0, "max": 5.0, "mean": 5.0})
+    assert r["data_wait"] == pytest.approx({"ms_per_step": 14 / 13, "pct": 100 * 14 / 65})
     assert r["throughput"]["samples"] == TRAIN_SAMPLES  # the short last batch counted as it is
-    assert r["throughput"]["samples_per_s"] == pytest.approx(TRAIN_SAMPLES / (13 * 0.003))
-    assert r["per_rank"][0]["pre_sync_ms_mean"] == pytest.approx(2.0)
-    assert column(run, "perf/step_time_ms_p50") == pytest.approx([3.0] * 4)  # windows end at steps 4, 8, 12, 13
-    assert column(run, "perf/samples_per_s")[0] == pytest.approx(100 / 0.003)
+    assert r["throughput"]["samples_per_s"] == pytest.approx(TRAIN_SAMPLES / (13 * 0.005))
+    assert r["per_rank"][0]["pre_sync_ms_mean"] == pytest.approx(4.0)
+    assert column(run, "perf/step_time_ms_p50") == pytest.approx([5.0] * 4)  # windows end at steps 4, 8, 12, 13
+    assert column(run, "perf/samples_per_s")[0] == pytest.approx(100 / 0.005)
 
 
 def test_gradient_accumulation_gives_the_same_samples_per_s(runs):
     one, two = report(tick_run(runs, 1)), report(tick_run(runs, 2))
-    # 13 micro-batches make 7 optimizer steps, 6 of 2 micro-batches (6 ticks) and the epoch's last of 1 (3 ticks)
+    # 13 micro-batches make 7 optimizer steps, 6 of 2 micro-batches (10 ticks) and the epoch's last of 1 (5 ticks)
     assert two["steps_measured"] == two["global_step"] == 7
-    assert (two["step_time_ms"]["p50"], two["step_time_ms"]["mean"]) == pytest.approx((6.0, 39 / 7))
+    assert (two["step_time_ms"]["p50"], two["step_time_ms"]["mean"]) == pytest.approx((10.0, 65 / 7))
     assert two["throughput"]["samples"] == one["throughput"]["samples"] == TRAIN_SAMPLES
     assert two["throughput"]["samples_per_s"] == pytest.approx(one["throughput"]["samples_per_s"])
     assert two["data_wait"]["pct"] == pytest.approx(one["data_wait"]["pct"])

@@ -44,6 +44,8 @@ from lit_template.callbacks.profiling_stats import (
 from lit_template.callbacks.report import append_jsonl, reports_dir, run_dir, say, write_json
 from lit_template.errors import ConfigError
 
+# what Lightning's training loop calls its dataloader fetch (loops/training_epoch_loop.py, _on_before_fetch)
+FETCH_ACTION = "train_dataloader_next"
 OPTION = "callbacks.profiling"
 
 
@@ -140,6 +142,7 @@ class ProfilingCallback(L.Callback):
         self._ooms_seen = 0.0
         self._trainer: L.Trainer | None = None
         self._hooks: list[Any] = []
+        self._fetch_hooked: Any = None
         self._process: Any = None
 
     # -- setup --------------------------------------------------------------------------------------------------------
@@ -185,6 +188,7 @@ class ProfilingCallback(L.Callback):
         self._last_global_step = trainer.global_step
         self._last_emit_window = trainer.global_step // self._every
         self._hook_forward(trainer)
+        self._hook_fetch(trainer)
         if self.trace.enabled:
             self._start_trace()
         if self.memory_snapshot.enabled:
@@ -243,6 +247,7 @@ class ProfilingCallback(L.Callback):
             self._last_emit_window = math.ceil(trainer.global_step / self._every)
             self._emit(trainer)
         self._unhook_forward()
+        self._unhook_fetch()
         self._stop_trace()
         if self.memory_snapshot.enabled:
             self._dump_snapshot()
@@ -255,6 +260,7 @@ class ProfilingCallback(L.Callback):
         # No collectives here: the other ranks may be gone. Keep what this rank has.
         self._stop_flop_counter()
         self._unhook_forward()
+        self._unhook_fetch()
         self._stop_trace()
         if self.memory_snapshot.enabled and isinstance(exception, torch.OutOfMemoryError):
             self._snapshot_taken = False
@@ -275,6 +281,37 @@ class ProfilingCallback(L.Callback):
         if isinstance(model, DistributedDataParallel):
             self._hooks = [model.register_forward_pre_hook(lambda *_: self._timer.forward_enter()),
                            model.module.register_forward_pre_hook(lambda *_: self._timer.forward_synced())]
+
+    def _hook_fetch(self, trainer: L.Trainer) -> None:
+        """Time the training loop's ``next()`` on its dataloader: that, not the whole gap between two batches (other
+        callbacks' hooks, logging), is the data wait. Lightning's fetcher reports it to ``trainer.profiler`` as the
+        action ``[_TrainingEpochLoop].train_dataloader_next``; wrap that profiler's start/stop for this fit."""
+        profiler = trainer.profiler
+        start, stop = profiler.start, profiler.stop
+        timer = self._timer
+
+        def start_action(action_name: str) -> None:
+            if action_name.endswith(FETCH_ACTION):
+                timer.fetch_start()
+            start(action_name)
+
+        def stop_action(action_name: str) -> None:
+            stop(action_name)
+            if action_name.endswith(FETCH_ACTION):
+                timer.fetch_end()
+
+        self._fetch_hooked = (profiler, {name: profiler.__dict__[name] for name in ("start", "stop")
+                                         if name in profiler.__dict__})
+        profiler.start, profiler.stop = start_action, stop_action  # type: ignore[method-assign]
+
+    def _unhook_fetch(self) -> None:
+        if self._fetch_hooked is not None:
+            # drop our instance attributes: the class's own start/stop (or what was there before) show through again
+            profiler, saved = self._fetch_hooked
+            for name in ("start", "stop"):
+                profiler.__dict__.pop(name, None)
+            profiler.__dict__.update(saved)
+            self._fetch_hooked = None
 
     def _unhook_forward(self) -> None:
         for handle in self._hooks:

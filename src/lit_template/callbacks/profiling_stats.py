@@ -26,6 +26,9 @@ class CpuClock:
     def mark(self) -> float:
         return self.now()
 
+    def host_now(self) -> float:
+        return self.now()
+
     def settle(self) -> None:
         pass
 
@@ -50,6 +53,11 @@ class CudaClock:
         self._last = event
         return event
 
+    @staticmethod
+    def host_now() -> float:
+        # the loop's wait for a batch happens on the host; no event is needed (nor meaningful) for it
+        return time.perf_counter()
+
     def settle(self) -> None:
         if self._last is not None:
             self._last.synchronize()
@@ -66,7 +74,9 @@ class StepRecord:
 
     step: int  # trainer.global_step after the step
     step_time_s: float  # end of the previous step -> end of this one, validation excluded
-    data_wait_s: float  # of which the loop waited for batches (end of one batch -> start of the next)
+    # of which the loop waited for batches: host time inside the training dataloader's next() (Lightning's fetch),
+    # plus, for an epoch's first batch, the time to create the iterator (workers starting)
+    data_wait_s: float
     # This rank's own time before the gradient sync: step start -> backward of its last micro-batch, less what it
     # waited inside forward for the other ranks (DDP's buffer broadcast). The rank with the most is the one the
     # others wait for.
@@ -79,6 +89,8 @@ class StepRecord:
 class _MicroBatch:
     wait_from: Any | None  # mark at the previous batch end or epoch start; None after validation (not measured)
     start: Any
+    # host seconds spent fetching this batch (None: no fetch was seen, e.g. another loop; the gap counts instead)
+    fetch_s: float | None = None
     forward_enter: Any | None = None  # the wrapped (DDP) model's forward called ...
     forward_synced: Any | None = None  # ... and past its collectives, the inner module's forward begins
     before_backward: Any | None = None
@@ -105,18 +117,40 @@ class StepTimer:
         self._micro: list[_MicroBatch] = []
         self._samples = self._tokens = 0
         self._pending: list[_PendingStep] = []
+        # host time fetching since the last batch start; where the epoch began (iterator creation counts as wait)
+        self._fetch_s: float | None = None
+        self._fetch_from: float | None = None
+        self._epoch_start_host: float | None = None
 
     def resume(self) -> None:
         """Epoch start: the wait for the first batch (iterator and workers starting) counts as data wait."""
         self._last_end = self.clock.mark()
+        # on the CPU the mark is host time already (one clock reading, which keeps a ticking test clock simple)
+        self._epoch_start_host = self._last_end if isinstance(self.clock, CpuClock) else self.clock.host_now()
         self._micro, self._samples, self._tokens = [], 0, 0
+        self._fetch_s = None
+
+    def fetch_start(self) -> None:
+        now = self.clock.host_now()
+        if self._epoch_start_host is not None:
+            # the epoch's first fetch: creating the iterator (starting workers) was waiting for data too
+            self._fetch_s = (self._fetch_s or 0.0) + (now - self._epoch_start_host)
+            self._epoch_start_host = None
+        self._fetch_from = now
+
+    def fetch_end(self) -> None:
+        if self._fetch_from is not None:
+            self._fetch_s = (self._fetch_s or 0.0) + (self.clock.host_now() - self._fetch_from)
+            self._fetch_from = None
 
     def pause(self) -> None:
         """Validation: the gap until the next training batch (validation, checkpointing) is not measured."""
         self._last_end = None
+        self._epoch_start_host = None
 
     def batch_start(self) -> None:
-        self._micro.append(_MicroBatch(wait_from=self._last_end, start=self.clock.mark()))
+        self._micro.append(_MicroBatch(wait_from=self._last_end, start=self.clock.mark(), fetch_s=self._fetch_s))
+        self._fetch_s = None
 
     def _open(self) -> _MicroBatch | None:
         return self._micro[-1] if self._micro and self._micro[-1].end is None else None
@@ -160,14 +194,17 @@ class StepTimer:
         elapsed = self.clock.elapsed_s
         step_s = wait_s = pre_sync_s = forward_wait_s = 0.0
         for i, mb in enumerate(pending.micro):
-            wait = elapsed(mb.wait_from, mb.start) if mb.wait_from is not None else 0.0
+            # the gap since the previous batch's end: the fetch, other callbacks' batch-end hooks, logging
+            gap = elapsed(mb.wait_from, mb.start) if mb.wait_from is not None else 0.0
+            # (clamped to the gap: on a GPU the gap is device time, the fetch host time)
+            wait = 0.0 if mb.wait_from is None else gap if mb.fetch_s is None else min(mb.fetch_s, gap)
             busy = elapsed(mb.start, mb.end)
             if mb.forward_enter is not None and mb.forward_synced is not None:
                 forward_wait_s += elapsed(mb.forward_enter, mb.forward_synced)
             if i == len(pending.micro) - 1:
                 to_backward = elapsed(mb.start, mb.before_backward) if mb.before_backward is not None else busy
-                pre_sync_s = step_s + wait + to_backward - forward_wait_s
-            step_s += wait + busy
+                pre_sync_s = step_s + gap + to_backward - forward_wait_s
+            step_s += gap + busy
             wait_s += wait
         return StepRecord(pending.step, step_s, wait_s, pre_sync_s, pending.samples, pending.tokens)
 
