@@ -143,6 +143,9 @@ def test_devices_checks_name_the_option():
     cfg = compose_cfg("trainer=cpu", "trainer.devices=0")
     with pytest.raises(ConfigError, match=r"trainer\.devices=0"):
         check_trainer_config(cfg.trainer)
+    cfg = compose_cfg("trainer=cpu", "trainer.accelerator=tpu")
+    with pytest.raises(ConfigError, match=r"trainer\.accelerator='tpu': choose one of cpu, gpu"):
+        check_trainer_config(cfg.trainer)
     if not HAS_GPU:
         cfg = compose_cfg("trainer=gpu")
         with pytest.raises(ConfigError, match=r"trainer\.accelerator=gpu .*no CUDA GPU"):

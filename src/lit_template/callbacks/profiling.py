@@ -265,7 +265,8 @@ class ProfilingCallback(L.Callback):
         if self.memory_snapshot.enabled and isinstance(exception, torch.OutOfMemoryError):
             self._snapshot_taken = False
             self._dump_snapshot()
-        if self._timer is not None and trainer.state.fn == "fit":
+        # a run that failed before its first training step has nothing to report
+        if self._timer is not None and trainer.state.fn == "fit" and trainer.global_step > 0:
             try:
                 self._write_report(trainer, complete=False)
             except Exception as err:  # noqa: BLE001  the run's own exception is the one the user must see
@@ -389,7 +390,7 @@ class ProfilingCallback(L.Callback):
     def _report_straggler(self, trainer: L.Trainer, window: GlobalWindow) -> None:
         s = window.straggler
         record = {
-            "kind": "straggler", "global_step": window.step, "ranks": self._world_size,
+            "kind": "straggler", "global_step": window.step, "ranks": [s.global_rank], "world_size": self._world_size,
             "slowest_global_rank": s.global_rank, "lag_ms": s.lag_s * 1e3, "lag_pct": s.lag_pct,
             "wait_for_slowest_ms_mean": s.wait_for_slowest_s_mean * 1e3,
             "pre_sync_ms_mean": {str(r.global_rank): r.window.pre_sync_s_mean * 1e3 for r in window.ranks},
@@ -478,7 +479,8 @@ class ProfilingCallback(L.Callback):
         st, th = report["step_time_ms"], report["throughput"]
         mfu = f", MFU {_num(report['mfu']['mfu_pct'], '.1f')}%" if "mfu" in report else ""
         # A run that failed before its first measured step has no numbers: say so, never fail on formatting them.
-        say(f"profile: {report['steps_measured']} steps, step time p50 {_num(st['p50'], '.2f')} ms (p90 "
+        say(f"profile up to global step {trainer.global_step} (global rank {trainer.global_rank} reporting): "
+            f"{report['steps_measured']} steps measured, step time p50 {_num(st['p50'], '.2f')} ms (p90 "
             f"{_num(st['p90'], '.2f')}, max {_num(st['max'], '.2f')}), data wait {_num(report['data_wait']['pct'], '.1f')}%, "
             f"{_num(th['samples_per_s_global'], '.0f')} samples/s over {self._world_size} rank(s){mfu}; report in "
             f"{out / 'profile.md'}", level=logging.INFO)
@@ -499,7 +501,8 @@ class ProfilingCallback(L.Callback):
         report: dict[str, Any] = {
             "kind": "profile",
             "global_step": trainer.global_step,
-            "ranks": self._world_size,
+            "ranks": list(range(self._world_size)),
+            "world_size": self._world_size,
             "complete": complete,
             "device": str(self._device.type if self._device.type != "cuda"
                           else torch.cuda.get_device_name(self._device)),

@@ -10,6 +10,8 @@ from omegaconf import DictConfig, OmegaConf
 from lit_template.errors import ConfigError
 
 GPU_ACCELERATORS = {"gpu", "cuda"}
+# what this template's trainers run on (Lightning also knows tpu/mps/hpu, which need packages or hardware it lacks)
+ACCELERATORS = ("cpu", "gpu", "cuda", "mps", "auto")
 CPU_HINT = "use trainer=cpu (one process) or trainer=ddp_cpu (DDP over gloo on CPU)"
 
 
@@ -34,6 +36,8 @@ def check_trainer_config(trainer_cfg: DictConfig) -> None:
     num_nodes = trainer_cfg.get("num_nodes", 1)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
+    if accelerator not in ACCELERATORS:
+        raise ConfigError(f"trainer.accelerator={accelerator!r}: choose one of {', '.join(ACCELERATORS)}")
     if accelerator in GPU_ACCELERATORS and gpus == 0:
         raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no CUDA GPU: {CPU_HINT}")
 

@@ -10,6 +10,8 @@ from torch import nn
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from lit_template.errors import ConfigError
+
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
 
@@ -91,10 +93,16 @@ class LitClassifier(L.LightningModule):
             self.net = torch.compile(self.net)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = self.optimizer_factory(params=self.trainer.model.parameters())
+        try:
+            optimizer = self.optimizer_factory(params=self.trainer.model.parameters())
+        except (ValueError, TypeError) as err:  # torch's own check of lr, betas, momentum, ...
+            raise ConfigError(f"model.optimizer: {err} (see conf/model/)") from None
         if self.scheduler_factory is None:
             return {"optimizer": optimizer}
-        scheduler = self.scheduler_factory(optimizer=optimizer)
+        try:
+            scheduler = self.scheduler_factory(optimizer=optimizer)
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"model.scheduler: {err} (see conf/model/)") from None
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss", "interval": self.hparams.scheduler_interval},

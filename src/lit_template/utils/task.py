@@ -155,6 +155,17 @@ def _teardown_distributed() -> None:
     forget_job_rendezvous()
 
 
+def _user_error(error: BaseException) -> ConfigError | None:
+    """The ConfigError behind ``error``: itself, or the cause Hydra wrapped when a constructor it instantiated
+    (a datamodule, a callback) raised one (``InstantiationException: Error in call to target ...``)."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, ConfigError):
+            return error
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
+
+
 class TrialFailed(RuntimeError):
     """A failed job of an Optuna sweep: raised so the sweeper records the trial as failed and goes on."""
 
@@ -193,7 +204,13 @@ def task_wrapper(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], An
             run_dir = None
         _install_child_rank_watch(Path(run_dir) if run_dir else None)
         try:
-            value = task(cfg)
+            try:
+                value = task(cfg)
+            except Exception as err:
+                user_error = _user_error(err)
+                if user_error is None or user_error is err:
+                    raise
+                raise user_error from None
         except ConfigError as err:
             if in_multirun():
                 log.error(f"job failed: {err}")
