@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -45,6 +46,26 @@ class Run:
         return values[-1]
 
 
+def kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_command(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` from the repo root in its own process group; on a timeout kill the group and fail."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s (hang?)\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def run_script(script: str, *overrides: str, log_dir: Path, timeout: float = 180, env: dict | None = None,
                check: bool = True) -> Run:
     """``python <script> <overrides>`` from the repo root, writing below ``log_dir``; a hang fails at ``timeout``."""
@@ -53,11 +74,17 @@ def run_script(script: str, *overrides: str, log_dir: Path, timeout: float = 180
     for key in ("LT_RUN_ID", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
         if env is None or key not in env:
             full_env.pop(key, None)
+    # its own process group: on a timeout every process it started (DDP ranks, sweep jobs) is killed with it
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s (hang?)\n{(err.stdout or b'')[-3000:]!r}")
-    run = Run(proc.returncode, proc.stdout, proc.stderr, log_dir)
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s (hang?)\n--- stdout\n{stdout[-3000:]}\n--- stderr\n"
+                    f"{stderr[-3000:]}")
+    run = Run(proc.returncode, stdout, stderr, log_dir)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
                     f"{proc.stderr[-6000:]}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, kill_group
 
 TESTS = str(Path(__file__).resolve().parent)
 CPU = ["trainer.accelerator=cpu", "trainer.strategy.process_group_backend=gloo", "trainer.sync_batchnorm=false"]
@@ -34,7 +34,8 @@ def test_two_torchrun_nodes_on_one_machine_train_in_sync(tmp_path):
                PYTHONWARNINGS="ignore")
     args = [*CPU, *TINY, f"paths.log_dir={tmp_path}", "+callbacks.weights._target_=support_callbacks.SaveRankWeights"]
     nodes = [subprocess.Popen(["bash", "scripts/launch_node.sh", str(rank), "127.0.0.1", "2", "1", *args], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
              for rank in (0, 1)]
     outputs = []
     try:
@@ -42,7 +43,7 @@ def test_two_torchrun_nodes_on_one_machine_train_in_sync(tmp_path):
             outputs.append(node.communicate(timeout=270)[0])
     except subprocess.TimeoutExpired:
         for node in nodes:
-            node.kill()
+            kill_group(node)
         pytest.fail("the two-node job did not finish in 270 s (hang?)")
     for rank, (node, out) in enumerate(zip(nodes, outputs)):
         assert node.returncode == 0, f"node {rank} exited {node.returncode}\n{out[-5000:]}"

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import run_command
+
 from lit_template.checkpoints import check_checkpoint
 from lit_template.errors import ConfigError
 from lit_template.utils import checkpoint_io
@@ -178,7 +180,7 @@ def test_torchrun_restarts_after_a_killed_rank_and_resumes_from_last_ckpt(tmp_pa
            "trainer.limit_train_batches=4", "ckpt_path=auto",
            "+callbacks.kill._target_=reliability_faults.KillOnFirstAttempt", "+callbacks.kill.step=6",
            f"paths.log_dir={log_dir}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    proc = run_command(cmd, env, timeout=280)
     output = proc.stdout + proc.stderr
     errors = "\n".join(line for line in output.splitlines() if "rror" in line)
     assert proc.returncode == 0, f"{errors[-4000:]}\n{output[-3000:]}"

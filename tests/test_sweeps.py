@@ -78,6 +78,24 @@ def test_optuna_counts_a_failed_trial_as_failed_and_goes_on(train):
 
 @pytest.mark.slow
 @pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_optuna_sweep_of_ddp_trials(train):
+    # hparams_search=optuna sets hydra.mode=MULTIRUN in its config: rank 1 of each trial, which Lightning starts by
+    # re-running the job's overrides, must run that one trial, not a study of its own
+    run = train("-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "trainer=ddp_cpu",
+                "trainer.strategy.timeout.seconds=60", *TINY, timeout=280)
+    root = sweep_dir(run)
+    jobs = json.loads((root / "summary.json").read_text())["jobs"]
+    assert [j["status"] for j in jobs] == ["completed", "completed"], jobs
+    assert run.output.count("Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2") == 2
+    assert yaml.safe_load((root / "optimization_results.yaml").read_text())["best_value"] == pytest.approx(
+        max(j["value"] for j in jobs))
+    assert sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.isdigit()) == ["0", "1"]
+    assert not list(run.log_dir.glob("train/runs/*")) and len(list(run.log_dir.glob("train/multiruns/*"))) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
 @pytest.mark.timeout(500)
 def test_multirun_of_ddp_jobs_each_with_its_own_process_group(train):
     run = train("-m", "trainer=ddp_cpu", "seed=1,2", "trainer.strategy.timeout.seconds=60", *TINY, timeout=480)

@@ -34,7 +34,9 @@ def prepare_job_for_ddp_children() -> None:
     from hydra.core.hydra_config import HydraConfig
 
     hydra_cfg = HydraConfig.get()
-    sys.argv = [sys.argv[0], *hydra_cfg.overrides.task]
+    # hydra.mode=RUN: a config that sets MULTIRUN itself (hparams_search=optuna) is among the job's overrides, and a
+    # child composed from it would start a sweep of its own
+    sys.argv = [sys.argv[0], *hydra_cfg.overrides.task, "hydra.mode=RUN"]
     with read_write(hydra_cfg), open_dict(hydra_cfg):
         hydra_cfg.run.dir = hydra_cfg.runtime.output_dir
     _restore_user_env()
