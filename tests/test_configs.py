@@ -87,6 +87,27 @@ def test_ddp_multinode_reads_nodes_and_devices_from_the_environment(monkeypatch)
     assert cfg.trainer.strategy.process_group_backend == "nccl"
 
 
+@pytest.mark.parametrize(("env", "expected"), [
+    # what srun sets (SLURM_NTASKS_PER_NODE may read "8(x3)")
+    ({"SLURM_JOB_NUM_NODES": "3", "SLURM_NTASKS_PER_NODE": "8(x3)"}, (3, 8)),
+    # what torchrun sets in each worker
+    ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "4"}, (4, 4)),
+    # nothing: two nodes of all GPUs
+    ({}, (2, -1)),
+])
+def test_ddp_multinode_reads_what_srun_and_torchrun_set(monkeypatch, env, expected):
+    for key in ("NUM_NODES", "GPUS_PER_NODE", "SLURM_JOB_NUM_NODES", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE",
+                "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cfg = compose_cfg("trainer=ddp_multinode")
+    assert (cfg.trainer.num_nodes, cfg.trainer.devices) == expected
+    # the command line still wins
+    cfg = compose_cfg("trainer=ddp_multinode", "trainer.num_nodes=5", "trainer.devices=2")
+    assert (cfg.trainer.num_nodes, cfg.trainer.devices) == (5, 2)
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_every_model_config_builds_with_the_default_data(model):
     cfg = compose_cfg(f"model={model}")

@@ -33,17 +33,46 @@ def test_grid_sweep_2x2_runs_four_jobs_and_summarises_them(train):
     for job in range(4):
         assert (root / str(job) / "checkpoints" / "last.ckpt").is_file()
     assert "best: job" in run.output and (root / "summary.md").is_file()
+    best = max(summary["jobs"], key=lambda j: j["value"])
+    assert summary["direction"] == "maximize" and summary["best_job"] == best["job"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_failed_job_is_reported_and_the_sweep_goes_on(train):
-    run = train("-m", "model.optimizer.lr=0.001,5.0", "+callbacks.fail._target_=support_callbacks.FailAboveLR",
+def test_a_failed_job_is_reported_and_the_sweep_goes_on_in_parallel_jobs(train):
+    # launcher=joblib: the two jobs run at once in worker processes; results still reach the summary (through files)
+    run = train("-m", "launcher=joblib", "hydra.launcher.n_jobs=2", "model.optimizer.lr=0.001,5.0",
+                "+callbacks.fail._target_=support_callbacks.FailAboveLR",
                 "+callbacks.fail.threshold=1.0", *TINY, env={"PYTHONPATH": TESTS}, timeout=380)
+    assert "Joblib.Parallel(n_jobs=2" in run.output
     jobs = json.loads((sweep_dir(run) / "summary.json").read_text())["jobs"]
     assert [j["status"] for j in jobs] == ["completed", "failed"]
     assert "diverges" in jobs[1]["error"]
     assert json.loads((sweep_dir(run) / "1" / "failure.json").read_text())["error_type"] == "FloatingPointError"
+
+
+def test_summary_direction_picks_the_best_job(tmp_path):
+    from omegaconf import OmegaConf
+
+    from lit_template.utils.sweep_summary import RESULT_FILE, SweepSummary
+
+    for job, value in enumerate([0.5, 0.2, 0.9]):
+        (tmp_path / str(job)).mkdir()
+        (tmp_path / str(job) / RESULT_FILE).write_text(json.dumps(
+            {"job": job, "overrides": [f"seed={job}"], "metric": "val/loss", "value": value, "status": "completed"}))
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}, "sweeper": {}}})
+    SweepSummary(direction="minimize").on_multirun_end(config)
+    assert json.loads((tmp_path / "summary.json").read_text())["best_job"] == 1
+    SweepSummary().on_multirun_end(config)  # a grid sweeper has no direction: maximize
+    assert json.loads((tmp_path / "summary.json").read_text())["best_job"] == 2
+    with pytest.raises(ValueError, match="sweep_summary.direction='lowest'"):
+        SweepSummary(direction="lowest")
+
+
+def test_slurm_launcher_with_all_gpus_fails_before_submitting(train):
+    run = train("-m", "launcher=slurm", "trainer=ddp_multinode", check=False, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.output, run.output[-3000:]
+    assert "trainer.devices=-1: set trainer.devices to a count" in run.output
 
 
 @pytest.mark.slow

@@ -32,10 +32,43 @@ def rank_zero_value(value: str) -> str | None:
     return value if launched_rank() == 0 else None
 
 
+def _leading_int(value: str | None) -> int | None:
+    """``"8"`` -> 8; SLURM's ``"8(x2)"`` -> 8; anything else -> None."""
+    digits = ""
+    for char in (value or "").strip():
+        if not char.isdigit():
+            break
+        digits += char
+    return int(digits) if digits else None
+
+
+def num_nodes(default: int) -> int:
+    """Nodes of this job: NUM_NODES (the launch scripts), else what SLURM or torchrun set, else ``default``."""
+    env = os.environ
+    for value in (env.get("NUM_NODES"), env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")):
+        if _leading_int(value):
+            return _leading_int(value)  # type: ignore[return-value]
+    world, local = _leading_int(env.get("WORLD_SIZE")), _leading_int(env.get("LOCAL_WORLD_SIZE"))
+    if "TORCHELASTIC_RUN_ID" in env and world and local:
+        return max(world // local, 1)
+    return default
+
+
+def devices_per_node(default: int) -> int:
+    """Processes (GPUs) per node: GPUS_PER_NODE, else SLURM's tasks per node, else torchrun's LOCAL_WORLD_SIZE."""
+    env = os.environ
+    for name in ("GPUS_PER_NODE", "SLURM_NTASKS_PER_NODE", "LOCAL_WORLD_SIZE"):
+        if _leading_int(env.get(name)):
+            return _leading_int(env.get(name))  # type: ignore[return-value]
+    return default
+
+
 def register() -> None:
     if not OmegaConf.has_resolver("lt.run_id"):
         OmegaConf.register_new_resolver("lt.run_id", run_id)
         OmegaConf.register_new_resolver("lt.rank_zero", rank_zero_value)
+        OmegaConf.register_new_resolver("lt.num_nodes", num_nodes)
+        OmegaConf.register_new_resolver("lt.devices_per_node", devices_per_node)
 
 
 register()

@@ -19,11 +19,21 @@ def _is_multirun(config: DictConfig) -> bool:
     return config.hydra.mode == RunMode.MULTIRUN
 
 
+DIRECTIONS = ("maximize", "minimize")
+
+
 class SweepSummary(Callback):
     """Each job writes ``<job dir>/job_result.json``; the sweep's process gathers them at the end.
 
     Files rather than memory, so it works with launchers that run jobs elsewhere (joblib, submitit).
+    ``direction`` says which job is best: maximize or minimize ``optimized_metric``; None takes the sweeper's own
+    (Optuna's ``direction``), else maximize.
     """
+
+    def __init__(self, direction: str | None = None) -> None:
+        if direction is not None and direction not in DIRECTIONS:
+            raise ValueError(f"hydra.callbacks.sweep_summary.direction={direction!r}: choose maximize or minimize")
+        self.direction = direction
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if not _is_multirun(config):
@@ -49,7 +59,7 @@ class SweepSummary(Callback):
         rows = sorted((json.loads(p.read_text()) for p in sweep_dir.glob(f"**/{RESULT_FILE}")), key=lambda r: r["job"])
         if not rows:
             return
-        direction = str(config.hydra.sweeper.get("direction", "maximize"))
+        direction = self.direction or str(config.hydra.sweeper.get("direction") or "maximize")
         scored = [r for r in rows if r["value"] is not None]
         best = (max if direction.startswith("max") else min)(scored, key=lambda r: r["value"]) if scored else None
         metric = rows[0]["metric"]
