@@ -19,11 +19,12 @@ def test_fast_dev_run_for_each_model(train, model):
 
 @pytest.mark.slow
 def test_default_training_on_digits_reaches_stated_accuracy(train):
-    # README: the default `make train` (MLP, 10 epochs max) reaches >= 95% test accuracy on digits; 6 epochs reach 0.93
-    run = train("trainer.max_epochs=6", timeout=240)
+    # README: `make train` (`python train.py`, nothing else: MLP, up to 10 epochs) tests the best checkpoint at about
+    # 99% accuracy on digits; this asserts >= 97%
+    run = train(timeout=240)
     run_dir = run.run_dir()
     test_acc = run.last_value("test/acc")
-    assert test_acc >= 0.93, f"test/acc={test_acc}"
+    assert test_acc >= 0.97, f"test/acc={test_acc}"
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert len(list((run_dir / "checkpoints").glob("epoch_*.ckpt"))) == 1  # best only
     assert (run_dir / ".hydra" / "config.yaml").is_file()
@@ -77,10 +78,13 @@ def test_eval_tests_a_checkpoint(train, evaluate):
     trained = train("trainer.max_epochs=2", "test=false", timeout=180)
     ckpt = trained.run_dir() / "checkpoints" / "last.ckpt"
     run = evaluate(f"ckpt_path={ckpt}", timeout=180)
-    assert "test/acc" in run.output
-    acc = run.last_value("test/acc", task="eval") if list(run.log_dir.glob("eval/**/metrics.csv")) else None
-    assert acc is None or acc > 0.8
+    assert run.last_value("test/acc", task="eval") > 0.8
     assert f"testing {ckpt}" in run.output
+    # another model config than the checkpoint's: one line naming what it was trained with
+    wrong = evaluate(f"ckpt_path={ckpt}", "model=cnn", check=False, timeout=180)
+    assert wrong.returncode == 2 and "Traceback" not in wrong.output, wrong.output[-3000:]
+    assert "the checkpoint's weights do not fit this config (model=cnn data=digits); it was trained with model=mlp " \
+           "data=digits" in wrong.output
 
 
 def test_experiment_config_runs(train):

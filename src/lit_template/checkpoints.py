@@ -70,3 +70,35 @@ def check_checkpoint(path: Path, option: str = "ckpt_path", value: object = None
             f"give a .ckpt written by train.py"
         )
     return str(path)
+
+
+def trained_with(ckpt_path: str) -> dict[str, str]:
+    """The config choices (model, data, ...) of the run that wrote ``ckpt_path``, read from that run's saved Hydra
+    config (``<run dir>/.hydra/hydra.yaml``); empty when the checkpoint is not inside a run dir."""
+    from omegaconf import OmegaConf
+
+    hydra_yaml = Path(ckpt_path).resolve().parent.parent / ".hydra" / "hydra.yaml"
+    if not hydra_yaml.is_file():
+        return {}
+    try:
+        choices = OmegaConf.load(hydra_yaml).hydra.runtime.choices
+        return {group: str(choices[group]) for group in ("model", "data") if choices.get(group) is not None}
+    except Exception:  # noqa: BLE001  (an old or hand-edited file: the error below still names the options)
+        return {}
+
+
+def load_mismatch(cfg: DictConfig, ckpt_path: str, error: BaseException) -> ConfigError | None:
+    """A checkpoint whose weights do not fit the model built from the config (another ``model=`` or ``data=``): a
+    ConfigError that says which choices the checkpoint was trained with. None for any other error."""
+    if "Error(s) in loading state_dict" not in str(error):
+        return None
+    from hydra.core.hydra_config import HydraConfig
+
+    now = dict(HydraConfig.get().runtime.choices) if HydraConfig.initialized() else {}
+    then = trained_with(ckpt_path)
+    current = " ".join(f"{g}={now[g]}" for g in ("model", "data") if g in now)
+    if then:
+        fix = f"it was trained with {' '.join(f'{g}={v}' for g, v in then.items())}: add those overrides"
+    else:
+        fix = "pass the model=... and data=... (and any model.* overrides) the checkpoint was trained with"
+    return ConfigError(f"ckpt_path={ckpt_path}: the checkpoint's weights do not fit this config ({current}); {fix}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from lit_template.checkpoints import resolve_ckpt_path
+from lit_template.checkpoints import load_mismatch, resolve_ckpt_path
 from lit_template.errors import ConfigError
 from lit_template.train import build, log
 from lit_template.utils import task_wrapper
@@ -22,5 +22,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError("ckpt_path=null: eval needs ckpt_path=/path/to/file.ckpt or ckpt_path=last")
     objects = build(cfg)
     log.info(f"testing {ckpt_path}")
-    objects["trainer"].test(model=objects["model"], datamodule=objects["datamodule"], ckpt_path=ckpt_path)
+    try:
+        objects["trainer"].test(model=objects["model"], datamodule=objects["datamodule"], ckpt_path=ckpt_path)
+    except RuntimeError as err:
+        if mismatch := load_mismatch(cfg, ckpt_path, err):
+            raise mismatch from None
+        raise
     return {k: float(v) for k, v in objects["trainer"].callback_metrics.items()}

@@ -10,7 +10,7 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig
 
-from lit_template.checkpoints import resolve_ckpt_path
+from lit_template.checkpoints import load_mismatch, resolve_ckpt_path
 from lit_template.distributed.checks import check_trainer_config
 from lit_template.distributed.comm import check_comm_config
 from lit_template.distributed.env import apply_env, check_launch_env
@@ -85,7 +85,12 @@ def run(cfg: DictConfig) -> float | None:
         ckpt_path = resolve_ckpt_path(cfg)
         if ckpt_path:
             log.info(f"resuming from {ckpt_path}")
-        trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
+        try:
+            trainer.fit(model=model, datamodule=datamodule, ckpt_path=ckpt_path)
+        except RuntimeError as err:
+            if ckpt_path and (mismatch := load_mismatch(cfg, ckpt_path, err)):
+                raise mismatch from None
+            raise
     metrics = {k: v.item() if hasattr(v, "item") else v for k, v in trainer.callback_metrics.items()}
 
     if cfg.get("test", False):
