@@ -2,8 +2,10 @@
 stopped.
 
 Lightning saves the loops, the optimizers and the schedulers but not the global RNGs. This callback saves the torch,
-numpy and Python states of each rank (as plain tensors and ints, so the checkpoint still loads with
-``weights_only=True``) and puts them back at the start of the first training epoch after a resume.
+numpy and Python states (as plain tensors and ints, so the checkpoint still loads with ``weights_only=True``) when a
+checkpoint is written, and puts them back as soon as Lightning restores the callbacks on resume: nothing between that
+and the first training batch draws from them (a resumed fit runs no sanity check), so the new epoch's dataloader
+iterator and the first dropout masks come from the same state as in a run that never stopped.
 """
 
 from __future__ import annotations
@@ -38,10 +40,7 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 class RngState(L.Callback):
-    """Saves each rank's RNG states with every checkpoint; restores them when training resumes."""
-
-    def __init__(self) -> None:
-        self._restored: dict[str, Any] | None = None
+    """Saves the RNG states with every checkpoint; restores them when training resumes."""
 
     def state_dict(self) -> dict[str, Any]:
         # Checkpoints are written by rank zero; each rank restores rank zero's state, which is what the uninterrupted
@@ -49,9 +48,6 @@ class RngState(L.Callback):
         return {"rng": collect_rng_states()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = state_dict.get("rng")
-
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._restored is not None:
-            set_rng_states(self._restored)
-            self._restored = None
+        # Lightning calls this only when a fit resumes (not for test/validate with a ckpt_path)
+        if state_dict.get("rng") is not None:
+            set_rng_states(state_dict["rng"])
