@@ -150,6 +150,8 @@ def test_clean_run_with_accumulation_reports_nothing_and_collectives_match(train
     assert findings(run) == []
     report = summary(run)
     assert report["active"] and report["global_step"] == 4 and not any(report["findings"].values())
+    # every kind was really compared (BatchNorm running stats among the buffers, broadcast by DDP: no warning)
+    assert all(n > 0 for n in report["tensors_checked"].values()), report["tensors_checked"]
     logs = [json.loads((run.run_dir() / f"probe_rank{r}.json").read_text())["collective_log"] for r in (0, 1)]
     assert logs[0] == logs[1], "ranks issued different collectives"
     grad_checks = [step for step, where, _ in logs[0] if where == "before_optimizer_step"]

@@ -129,6 +129,8 @@ class SyncCheck(L.Callback):
         # kept across resume
         self.checks = 0
         self.findings = {kind: 0 for kind in WHAT}
+        # tensors compared so far, per kind (a check that never ran shows 0 here, not a clean bill)
+        self.tensors_checked = {kind: 0 for kind in WHAT}
         self._said: set[str] = set()
         # one entry per check: (global_step, where, collectives issued); equal on every rank (tests read it)
         self.collective_log: list[tuple[int, str, int]] = []
@@ -163,11 +165,13 @@ class SyncCheck(L.Callback):
                                 "on every rank (sharded parameters differ by design)", logging.INFO)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"checks": self.checks, "findings": dict(self.findings), "said": sorted(self._said)}
+        return {"checks": self.checks, "findings": dict(self.findings), "said": sorted(self._said),
+                "tensors_checked": dict(self.tensors_checked)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.checks = state_dict.get("checks", 0)
         self.findings.update(state_dict.get("findings", {}))
+        self.tensors_checked.update(state_dict.get("tensors_checked", {}))
         self._said = set(state_dict.get("said", []))
 
     def _due(self, trainer: L.Trainer) -> bool:
@@ -300,6 +304,8 @@ class SyncCheck(L.Callback):
         if measured:
             self._measure_differences(measured, findings)
         self.checks += 1
+        for group in groups:
+            self.tensors_checked[group.kind] += len(group.names)
         self.collective_log.append((step, where, self._collectives))
         for kind in WHAT:
             self._step_counts.setdefault(kind, 0)
@@ -389,6 +395,7 @@ class SyncCheck(L.Callback):
             "kind": "sync_check_summary", "global_step": trainer.global_step, "ranks": list(range(self.world_size)),
             "active": self.active, "every_n_steps": self.every_n_steps, "mode": self.mode,
             "on_mismatch": self.on_mismatch, "checks": self.checks, "findings": self.findings,
+            "tensors_checked": self.tensors_checked,
             "stopped": bool(self.on_mismatch == "stop" and any(self.findings[k] for k in SEVERE)),
             "local_sgd": None if self._averager is None else {
                 "model_averaging_period": self._averager.period, "start_localSGD_iter": self._averager.warmup_steps,
