@@ -98,24 +98,32 @@ def test_slow_validation_and_checkpoint_below_the_timeout_are_no_hang(train):
 
 
 @pytest.mark.slow
+@pytest.mark.ddp
 @pytest.mark.timeout(180)
-def test_report_mode_dumps_and_keeps_training_on_one_process(train):
-    # the only rank is a straggler for 12 s: with a 5 s stall timeout the doctor reports it, then training goes on
-    run = train(*SMALL, "callbacks.hang_doctor.stall_timeout_s=5", "callbacks.hang_doctor.on_stall=report",
-                *fault("fault", action="sleep", rank=0, step=2, seconds=12), timeout=150)
+def test_report_mode_dumps_and_keeps_training(train):
+    # rank 1 is a straggler for 12 s: with a 5 s stall timeout the doctor reports it, then training goes on
+    run = train(*DDP, "callbacks.hang_doctor.stall_timeout_s=5", "callbacks.hang_doctor.on_stall=report",
+                *fault("fault", action="sleep", rank=1, step=2, seconds=12), timeout=150)
 
     hang = run.run_dir() / "hang"
     assert "Thread MainThread" in (hang / "rank0.txt").read_text()
+    assert "on_train_batch_start" in (hang / "rank1.txt").read_text()
     summary = summary_of(run)
-    assert summary["on_stall"] == "report" and summary["ranks"] == [0] and summary["stuck_ranks"] == [0]
+    assert summary["on_stall"] == "report" and summary["ranks"] == [0, 1] and summary["stuck_ranks"] == [1]
     sleep_line = line_of(FaultInjection.on_train_batch_start, "time.sleep")
-    assert rows_of(summary)[0]["where"] == f"{FAULT_FILE}:{sleep_line} on_train_batch_start"
-    assert f"rank 0 is stuck at step 2 in on_train_batch_start ({FAULT_FILE}:{sleep_line})" in run.output
+    assert rows_of(summary)[1]["where"] == f"{FAULT_FILE}:{sleep_line} on_train_batch_start"
+    assert f"rank 1 is stuck at step 2 in on_train_batch_start ({FAULT_FILE}:{sleep_line})" in run.output
     assert "made progress again" in run.output and "aborting" not in run.output
     assert (run.run_dir() / "checkpoints" / "last.ckpt").exists()
 
 
 # -- the diagnosis, on heartbeats as the watchdogs write them ------------------------------------------------------
+
+
+def test_one_process_is_its_own_stuck_rank():
+    verdict = diagnose({0: beat(0)}, 1, now_unix=100.0, stale_after_s=30)
+    assert verdict.stuck_ranks == [0] and verdict.waiting_ranks == [] and verdict.reporter == 0
+    assert "rank 0 is stuck at step 3" in verdict.sentence
 
 
 def beat(rank: int, step: int = 3, phase: str = "before_backward", waiting_in: str | None = None, **kw) -> Heartbeat:
