@@ -86,8 +86,8 @@ def run_script(script: str, *overrides: str, log_dir: Path, timeout: float = 180
                     f"{stderr[-3000:]}")
     run = Run(proc.returncode, stdout, stderr, log_dir)
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
-                    f"{proc.stderr[-6000:]}")
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{stdout[-4000:]}\n--- stderr\n"
+                    f"{stderr[-6000:]}")
     return run
 
 

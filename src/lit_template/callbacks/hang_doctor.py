@@ -14,6 +14,7 @@ restart the job from its last checkpoint; with ``report`` training keeps waiting
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import threading
@@ -76,8 +77,9 @@ class HangDoctor(L.Callback):
         # The clock starts here, not at launch: starting processes and building the process group is not a stall.
         hang_dir = run_dir(trainer) / "hang"
         rank = trainer.global_rank
+        stall_timeout_s = self._effective_stall_timeout(trainer)
         config = WatchdogConfig(
-            rank=rank, world_size=trainer.world_size, hang_dir=hang_dir, stall_timeout_s=self.stall_timeout_s,
+            rank=rank, world_size=trainer.world_size, hang_dir=hang_dir, stall_timeout_s=stall_timeout_s,
             on_stall=self.on_stall, heartbeat_interval_s=self.heartbeat_interval_s, grace_s=self.grace_s,
             exit_code=self.exit_code,
         )
@@ -88,6 +90,20 @@ class HangDoctor(L.Callback):
         self._watchdog.mark("train_start")
         self._watchdog._write_beat(self._watchdog._beat(stalled=False))
         self._watchdog.start()
+
+    def _effective_stall_timeout(self, trainer: L.Trainer) -> float:
+        """The stall timeout, below the process group's own timeout: a waiting rank's collective that times out
+        first ends the job with gloo's or NCCL's message, which names no rank and no line."""
+        timeout = getattr(trainer.strategy, "_timeout", None)
+        pg_timeout_s = timeout.total_seconds() if hasattr(timeout, "total_seconds") else None
+        if trainer.world_size < 2 or pg_timeout_s is None or self.stall_timeout_s < pg_timeout_s:
+            return self.stall_timeout_s
+        used = pg_timeout_s / 2
+        if trainer.is_global_zero:
+            say(f"hang doctor: callbacks.hang_doctor.stall_timeout_s={self.stall_timeout_s:g} is not below "
+                f"trainer.strategy.timeout ({pg_timeout_s:g} s), which would end a hang first without naming the rank: "
+                f"using {used:g} s", logging.INFO)
+        return used
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._stop("stopped")

@@ -66,28 +66,34 @@ class NonFiniteGuard(L.Callback):
         self._reset()
 
     def _reset(self) -> None:
-        self._loss_bad = False
-        self._loss_value = 0.0
+        self._losses: list[torch.Tensor] = []
 
+    # No host sync in the hot path (a `bool(tensor)` per check would stall a GPU every micro-batch): the flags are
+    # built on the device and read once per optimizer step, after the one all_gather.
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         # Called once per micro-batch: with gradient accumulation one bad micro-batch makes the step bad.
-        loss = loss.detach()
-        if not bool(torch.isfinite(loss).all()):
-            self._loss_bad = True
-            self._loss_value = float(loss.float().sum())
-        elif not self._loss_bad:
-            self._loss_value = float(loss.float().sum())
+        self._losses.append(loss.detach().float().sum())
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
-        first_bad = -1
+        device = pl_module.device
+        minus_one = torch.tensor(-1.0, dtype=torch.float64, device=device)
+        if self._losses:
+            losses = torch.stack(self._losses).double()
+            loss_bad = ~torch.isfinite(losses)
+            # the first non-finite micro-batch loss, else the last one
+            loss_value = torch.where(loss_bad.any(), losses[loss_bad.double().argmax()], losses[-1])
+        else:
+            loss_bad, loss_value = torch.zeros(1, dtype=torch.bool, device=device), minus_one.new_zeros(())
+        grad_bad, first_bad = torch.zeros((), dtype=torch.bool, device=device), minus_one
         if self.check_grads:
-            for i, (_, param) in enumerate(pl_module.named_parameters()):
-                if param.grad is not None and not bool(torch.isfinite(param.grad).all()):
-                    first_bad = i
-                    break
-        local = torch.tensor([float(self._loss_bad), float(first_bad >= 0), float(first_bad), self._loss_value],
-                             dtype=torch.float64, device=pl_module.device)
+            indexed = [(i, p.grad) for i, p in enumerate(pl_module.parameters()) if p.grad is not None]
+            if indexed:
+                bad = ~torch.stack([torch.isfinite(g).all() for _, g in indexed])
+                index = torch.tensor([i for i, _ in indexed], dtype=torch.float64, device=device)
+                grad_bad = bad.any()
+                first_bad = torch.where(grad_bad, index[bad.double().argmax()], minus_one)
+        local = torch.stack([loss_bad.any().double(), grad_bad.double(), first_bad.double(), loss_value])
         self._reset()
         # every rank, every optimizer step, the same one collective
         flags = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local

@@ -62,11 +62,19 @@ class LitClassifier(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss, preds, targets = self.model_step(batch)
-        self.train_loss(loss)
-        self.train_acc(preds, targets)
-        self.log("train/loss", self.train_loss, on_step=False, on_epoch=True, prog_bar=True)
-        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, prog_bar=True)
+        # Per step only update the metrics: Lightning moves a logged Metric object to the device on every self.log
+        # call (~1 ms a step for a small model). They are computed and logged once, at epoch end.
+        self.train_loss.update(loss.detach())
+        self.train_acc.update(preds, targets)
         return loss
+
+    def on_train_epoch_end(self) -> None:
+        # compute() syncs across DDP ranks. Every rank runs this hook, in the same order, and what is logged is then a
+        # plain number: no rank-zero-only reader (the progress bar) can start a collective the others do not join.
+        self.log("train/loss", self.train_loss.compute(), prog_bar=True)
+        self.log("train/acc", self.train_acc.compute(), prog_bar=True)
+        self.train_loss.reset()
+        self.train_acc.reset()
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         loss, preds, targets = self.model_step(batch)
