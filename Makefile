@@ -27,8 +27,12 @@ test:  ## the whole suite, slow multi-process tests included (about 10 minutes o
 test-fast:  ## skip the slow tests
 	$(PY) -m pytest -q -m "not slow"
 
-bench:  ## overhead of the template versus a raw PyTorch loop, and of each callback
+bench:  ## the template versus a hand-written loop (1 process, then 2 over gloo), then each callback's own overhead
 	$(PY) scripts/benchmark.py
+	$(PY) scripts/benchmark.py --ddp
+	$(PY) scripts/bench_sync_check.py
+	OMP_NUM_THREADS=1 $(PY) scripts/bench_profiling.py
+	$(PY) scripts/bench_hang_doctor.py
 
 clean:  ## remove run outputs
 	rm -rf logs/ outputs/ multirun/ .pytest_cache

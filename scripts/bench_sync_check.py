@@ -79,11 +79,14 @@ def main() -> None:
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         every = int(compose(config_name="train").callbacks.sync_check.every_n_steps)
+    if every < 1:
+        sys.exit(f"callbacks.sync_check.every_n_steps={every} in conf/callbacks/sync_check.yaml: the check is off, "
+                 "there is no overhead to measure")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         cmd = [sys.executable, str(ROOT / "train.py"), "trainer=ddp_cpu", "callbacks=sync_check", "model.scheduler=null", "optimized_metric=null",
-               "test=false", f"+trainer.max_steps={args.steps}", "trainer.max_epochs=1000", "trainer.min_epochs=0",
-               "+trainer.limit_val_batches=0", "+trainer.enable_progress_bar=false", "data.batch_size=16",
+               "test=false", f"trainer.max_steps={args.steps}", "trainer.max_epochs=1000", "trainer.min_epochs=0",
+               "trainer.limit_val_batches=0", "+trainer.enable_progress_bar=false", "data.batch_size=16",
                f"paths.log_dir={tmp}/logs", "+callbacks.bench._target_=bench_sync_check.AlternatingTimer",
                f"+callbacks.bench.block_steps={2 * every}", f"+callbacks.bench.out={out}", *args.overrides]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"),

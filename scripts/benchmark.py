@@ -1,15 +1,18 @@
 #!/usr/bin/env python
 """How much does the template cost over a hand-written PyTorch loop? Prints ratios measured in this one run.
 
-    python scripts/benchmark.py            # 1 process: raw loop (a), train.py as shipped (b), train.py without the
-                                           # template's own callbacks (c)
-    python scripts/benchmark.py --ddp      # the same with 2 gloo processes: raw torch.distributed DDP loop vs
-                                           # train.py trainer=ddp_cpu
+    python scripts/benchmark.py            # 1 process: a hand-written loop (a), train.py as shipped (b), train.py
+                                           # with sync check and profiling off (c), with all the template's own
+                                           # callbacks off (d)
+    python scripts/benchmark.py --ddp      # the same with 2 gloo processes: a hand-written torch.distributed DDP
+                                           # loop vs train.py trainer=ddp_cpu
 
 Each variant runs as its own process, so "start to first step" includes interpreter start and imports. Step time is
 the median wall time between consecutive training-iteration starts (fetch + forward + backward + step + hooks),
 with warm-up steps and epoch boundaries (validation) left out. Same model (conf/model/mlp.yaml), data (digits,
-repeated so an epoch is long), batch size and number of steps everywhere.
+repeated so an epoch is long), batch size, steps and intra-op threads everywhere. The variants run in turn, --rounds
+times (a b c d, d c b a, ...), so a busy or slow spell of the machine falls on all of them; each ratio is taken within
+a round and the median over rounds is printed.
 """
 
 from __future__ import annotations
@@ -39,14 +42,14 @@ def compose(overrides: list[str]):
 
 
 def raw_worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str, t0: float) -> None:
-    """The hand-written loop: the shipped MLP and optimizer, the digits loader, nothing else."""
+    """The hand-written loop: the shipped MLP and optimizer, the digits loader, loss and accuracy kept by hand."""
     import hydra
     import torch
     from torch import nn
 
     from lit_template.utils.bench import StepClock
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(args.threads)
     if world > 1:
         import torch.distributed as dist
 
@@ -68,6 +71,7 @@ def raw_worker(rank: int, world: int, args: argparse.Namespace, port: int, out: 
     loss_fn = nn.CrossEntropyLoss()
     clock = StepClock(t0)
     step, epoch = 0, 0
+    loss_sum, correct, seen = torch.zeros(()), torch.zeros((), dtype=torch.long), 0
     model.train()
     while step < args.steps:
         if world > 1:
@@ -75,7 +79,12 @@ def raw_worker(rank: int, world: int, args: argparse.Namespace, port: int, out: 
         for x, y in loader:
             clock.iteration_start()
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y)
+            logits = model(x)
+            loss = loss_fn(logits, y)
+            # what the template's LitClassifier also tracks per step: the epoch's mean loss and accuracy
+            loss_sum += loss.detach()
+            correct += (logits.argmax(dim=1) == y).sum()
+            seen += y.numel()
             loss.backward()
             optimizer.step()
             clock.first_step_done()
@@ -95,6 +104,7 @@ def data_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def run_variant(name: str, cmd: list[str], out: Path, env: dict) -> dict:
+    out.unlink(missing_ok=True)
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env={**env, "LT_BENCH_T0": repr(t0)}, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -104,17 +114,20 @@ def run_variant(name: str, cmd: list[str], out: Path, env: dict) -> dict:
     return result
 
 
-def summarize(result: dict, skip: int) -> tuple[float, float]:
-    steps = result["step_s"][skip:]
-    return statistics.median(steps) * 1e3, result["first_step_after_start_s"]
+def summarize(result: dict, skip: int) -> tuple[float, float, float]:
+    """(median step wall ms, median step CPU ms, start to first step s)"""
+    return (statistics.median(result["step_s"][skip:]) * 1e3, statistics.median(result["step_cpu_s"][skip:]) * 1e3,
+            result["first_step_after_start_s"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-size", type=int, default=512)
-    parser.add_argument("--repeat", type=int, default=20, help="digits training split repeated per epoch")
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--skip", type=int, default=10, help="warm-up steps left out of the median")
+    parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--repeat", type=int, default=100, help="digits training split repeated per epoch")
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the median")
+    parser.add_argument("--rounds", type=int, default=4, help="times each variant runs, interleaved")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (OMP_NUM_THREADS)")
     parser.add_argument("--ddp", action="store_true", help="2 gloo processes instead of 1")
     parser.add_argument("--raw-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
@@ -137,7 +150,7 @@ def main() -> None:
         return
 
     world = 2 if args.ddp else 1
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(args.threads)}
     tmp = Path(tempfile.mkdtemp(prefix="lt-bench-"))
     common = [*data_overrides(args), f"trainer.max_steps={args.steps}", "trainer.max_epochs=1000", "test=false",
               f"paths.log_dir={tmp / 'logs'}", "callbacks.early_stopping=null", "optimized_metric=null"]
@@ -145,32 +158,44 @@ def main() -> None:
         common.insert(0, "trainer=ddp_cpu")
     default_callbacks = set(compose([]).callbacks)
     own_off = [f"callbacks.{name}=null" for name in OWN_CALLBACKS if name in default_callbacks]
+    sync_prof_off = [f"callbacks.{name}=null" for name in ("sync_check", "profiling") if name in default_callbacks]
     timer = ["+callbacks.bench._target_=lit_template.utils.bench.StepTimer"]
 
     variants = {
         "a": ("raw PyTorch loop" + (" (DDP, torch.distributed)" if world > 1 else ""),
               [sys.executable, __file__, "--raw-worker", f"--world={world}", f"--batch-size={args.batch_size}",
-               f"--repeat={args.repeat}", f"--steps={args.steps}"]),
+               f"--repeat={args.repeat}", f"--steps={args.steps}", f"--threads={args.threads}"]),
         "b": ("train.py, default callbacks", [sys.executable, "train.py", *common, *timer]),
-        "c": ("train.py, template callbacks off", [sys.executable, "train.py", *common, *own_off, *timer]),
+        "c": ("train.py, sync check + profiling off", [sys.executable, "train.py", *common, *sync_prof_off, *timer]),
+        "d": ("train.py, all template callbacks off", [sys.executable, "train.py", *common, *own_off, *timer]),
     }
-    results = {}
-    for key, (label, cmd) in variants.items():
-        out = tmp / f"{key}.json"
-        cmd = cmd + ([f"--out={out}"] if key == "a" else [f"+callbacks.bench.out={out}"])
-        print(f"running ({key}) {label} ...", file=sys.stderr, flush=True)
-        results[key] = summarize(run_variant(label, cmd, out, env), args.skip)
+    per_round: dict[str, list[tuple[float, float, float]]] = {key: [] for key in variants}
+    for round_ in range(args.rounds):
+        # a b c d, then d c b a: a slow drift of the machine's speed falls on every variant alike
+        order = list(variants) if round_ % 2 == 0 else list(reversed(variants))
+        for key in order:
+            label, cmd = variants[key]
+            out = tmp / f"{key}.json"
+            cmd = cmd + ([f"--out={out}"] if key == "a" else [f"+callbacks.bench.out={out}"])
+            print(f"round {round_ + 1}/{args.rounds}: ({key}) {label} ...", file=sys.stderr, flush=True)
+            per_round[key].append(summarize(run_variant(label, cmd, out, env), args.skip))
+    results = {key: tuple(statistics.median(column) for column in zip(*rows)) for key, rows in per_round.items()}
+    # each ratio is taken within a round (the variants ran minutes apart at most), then the median over rounds
+    ratios = {key: tuple(statistics.median(row[i] / base[i] for row, base in zip(rows, per_round["a"]))
+                         for i in (0, 1)) for key, rows in per_round.items()}
 
-    a_ms = results["a"][0]
     print(f"\nprocesses: {world}  batch size: {args.batch_size}  steps: {args.steps} (median over the last "
-          f"{args.steps - args.skip - 1})  cpu threads: {os.cpu_count()}")
-    print(f"{'variant':<42} {'step ms (median)':>17} {'ratio to a':>11} {'start to first step s':>22}")
+          f"{args.steps - args.skip - 1})  rounds: {args.rounds}  threads per process: {args.threads}  "
+          f"cpus: {os.cpu_count()}")
+    print(f"{'variant':<42} {'step ms':>8} {'ratio':>6} {'step cpu ms':>11} {'ratio':>6} {'start to 1st step s':>20}")
     for key, (label, _) in variants.items():
-        ms, first = results[key]
-        print(f"({key}) {label:<38} {ms:>17.2f} {ms / a_ms:>11.3f} {first:>22.2f}")
-    print(f"\nb/a = {results['b'][0] / a_ms:.3f}   c/a = {results['c'][0] / a_ms:.3f}")
-    if own_off:
-        print(f"(c) turns off: {', '.join(own_off)}")
+        ms, cpu, first = results[key]
+        print(f"({key}) {label:<38} {ms:>8.2f} {ratios[key][0]:>6.3f} {cpu:>11.2f} {ratios[key][1]:>6.3f} "
+              f"{first:>20.2f}")
+    print("(step ms: median of the rounds' medians; ratio: median over rounds of the ratio to (a) in that round)")
+    for name, i in (("wall time", 0), ("CPU time", 1)):
+        print(f"{name:>9}: b/a = {ratios['b'][i]:.3f}   c/a = {ratios['c'][i]:.3f}   d/a = {ratios['d'][i]:.3f}")
+    print(f"(c) turns off: {', '.join(sync_prof_off)}; (d) turns off: {', '.join(own_off)}")
 
 
 if __name__ == "__main__":

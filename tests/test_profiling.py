@@ -89,6 +89,19 @@ def test_step_math_with_a_patched_clock():
     assert math.isnan(percentile([], 50))
 
 
+def test_batch_counts_samples_and_tokens():
+    import torch
+
+    from lit_template.callbacks.profiling_stats import batch_counts
+
+    images, labels = torch.zeros(8, 1, 8, 8), torch.zeros(8, dtype=torch.long)
+    assert batch_counts((images, labels)) == (8, 0)  # images: no sequence dimension
+    ids = torch.zeros(4, 128, dtype=torch.long)
+    assert batch_counts((ids, labels[:4])) == (4, 4 * 128)  # token ids (batch, seq): tokens per step
+    assert batch_counts({"attention_mask": torch.ones(4, 128), "input_ids": ids}) == (4, 512)
+    assert batch_counts(torch.zeros(5, 3)) == (5, 0)
+
+
 def test_data_wait_is_the_fetch_not_the_whole_gap_between_batches():
     # epoch start 0; fetch 0.001-0.004 (first batch: the 1 ms before the fetch, creating the iterator, counts too);
     # batch 0.005-0.020; other callbacks' hooks and logging until 0.050, fetch 0.050-0.052; batch 0.053-0.060

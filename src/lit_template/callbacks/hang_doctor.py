@@ -94,7 +94,7 @@ class HangDoctor(L.Callback):
     def _effective_stall_timeout(self, trainer: L.Trainer) -> float:
         """The stall timeout, below the process group's own timeout: a waiting rank's collective that times out
         first ends the job with gloo's or NCCL's message, which names no rank and no line."""
-        timeout = getattr(trainer.strategy, "_timeout", None)
+        timeout = getattr(getattr(trainer, "strategy", None), "_timeout", None)
         pg_timeout_s = timeout.total_seconds() if hasattr(timeout, "total_seconds") else None
         if trainer.world_size < 2 or pg_timeout_s is None or self.stall_timeout_s < pg_timeout_s:
             return self.stall_timeout_s

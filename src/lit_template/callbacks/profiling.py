@@ -6,7 +6,7 @@ On by default in light mode (cheap timers, one small all_gather per log interval
     python train.py callbacks.profiling=null                                   # off
 
 Per optimizer step (all micro-batches of an accumulated step together; sanity check and validation excluded):
-step time, data wait (end of one batch to the start of the next), samples (and tokens), time to the gradient sync.
+step time, data wait (the time inside the training dataloader's next()), samples (and tokens), time to the gradient sync.
 Every ``log_every_n_steps`` each rank's window is gathered; rank zero logs ``perf/*``, names the slowest rank
 (``reports/stragglers.jsonl``), and at the end of fit writes ``reports/profile.{json,md,png}``.
 """

@@ -20,24 +20,28 @@ class StepClock:
     def __init__(self, t0: float | None = None) -> None:
         self.t0 = t0 if t0 is not None else float(os.environ.get("LT_BENCH_T0", time.time()))
         self.step_s: list[float] = []
+        # the process's CPU time per step: on a shared machine it leaves out the time the process was not running
+        self.step_cpu_s: list[float] = []
         self.first_step_after_start_s: float | None = None
         self._last: float | None = None
+        self._last_cpu: float | None = None
 
     def iteration_start(self) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         if self._last is not None:
             self.step_s.append(now - self._last)
-        self._last = now
+            self.step_cpu_s.append(cpu - self._last_cpu)
+        self._last, self._last_cpu = now, cpu
 
     def epoch_boundary(self) -> None:
-        self._last = None
+        self._last = self._last_cpu = None
 
     def first_step_done(self) -> None:
         if self.first_step_after_start_s is None:
             self.first_step_after_start_s = time.time() - self.t0
 
     def dump(self, path: str | os.PathLike, **extra: Any) -> None:
-        Path(path).write_text(json.dumps({"step_s": self.step_s,
+        Path(path).write_text(json.dumps({"step_s": self.step_s, "step_cpu_s": self.step_cpu_s,
                                           "first_step_after_start_s": self.first_step_after_start_s, **extra}))
 
 
