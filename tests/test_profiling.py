@@ -180,7 +180,8 @@ def test_report_files_are_written_once_at_the_end_of_fit(runs):
     assert sorted(p.name for p in reports.glob("profile*")) == ["profile.json", "profile.md", "profile.png"]
     r = report(run)
     assert r["kind"] == "profile" and r["global_step"] == 10 and r["complete"] is True
-    assert run.output.count("profile: 10 steps, step time p50") == 1
+    sentence = "profile up to global step 10 (global rank 0 reporting): 10 steps measured, step time p50"
+    assert run.output.count(sentence) == 1
     md = (reports / "profile.md").read_text()
     assert "| step time p50 / p90 / max (ms) |" in md and "| 0 | 10 |" in md
     assert (reports / "profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -231,7 +232,7 @@ def test_sleep_on_rank_1_makes_it_the_straggler_and_each_rank_writes_its_traces(
     assert r["stragglers"]["slowest_global_rank"] == 1 and r["stragglers"]["times_slowest"] == {"1": 4}
     # counts summed over ranks: each rank saw its own 10 batches of 64
     assert r["throughput"]["samples"] == 2 * 10 * 64
-    assert run.output.count("profile: 10 steps, step time p50") == 1  # rank zero only
+    assert run.output.count("(global rank 0 reporting): 10 steps measured, step time p50") == 1  # rank zero only
     # one trace per cycle per global rank: repeat=2 stops after 2 cycles though 10 steps had room for 4
     traces = sorted(p.name for p in (run_dir / "traces").glob("*.pt.trace.json"))
     by_rank = {rank: [t for t in traces if t.startswith(f"rank{rank}_step")] for rank in (0, 1)}

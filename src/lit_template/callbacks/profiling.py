@@ -285,11 +285,29 @@ class ProfilingCallback(L.Callback):
 
     def _hook_fetch(self, trainer: L.Trainer) -> None:
         """Time the training loop's ``next()`` on its dataloader: that, not the whole gap between two batches (other
-        callbacks' hooks, logging), is the data wait. Lightning's fetcher reports it to ``trainer.profiler`` as the
-        action ``[_TrainingEpochLoop].train_dataloader_next``; wrap that profiler's start/stop for this fit."""
+        callbacks' hooks, logging), is the data wait. Lightning's training epoch loop brackets each fetch with its
+        ``_on_before_fetch`` / ``_on_after_fetch`` (which report the action ``train_dataloader_next`` to
+        ``trainer.profiler``); wrap those two on this fit's loop, else (another Lightning) the profiler's start/stop,
+        which sees every hook of the loop and so costs a little more."""
+        timer = self._timer
+        loop = trainer.fit_loop.epoch_loop
+        if callable(getattr(loop, "_on_before_fetch", None)) and callable(getattr(loop, "_on_after_fetch", None)):
+            before, after = loop._on_before_fetch, loop._on_after_fetch
+
+            def on_before_fetch() -> None:
+                timer.fetch_start()
+                before()
+
+            def on_after_fetch() -> None:
+                after()
+                timer.fetch_end()
+
+            self._fetch_hooked = (loop, {name: loop.__dict__[name] for name in ("_on_before_fetch", "_on_after_fetch")
+                                         if name in loop.__dict__})
+            loop._on_before_fetch, loop._on_after_fetch = on_before_fetch, on_after_fetch  # type: ignore[method-assign]
+            return
         profiler = trainer.profiler
         start, stop = profiler.start, profiler.stop
-        timer = self._timer
 
         def start_action(action_name: str) -> None:
             if action_name.endswith(FETCH_ACTION):
@@ -307,11 +325,12 @@ class ProfilingCallback(L.Callback):
 
     def _unhook_fetch(self) -> None:
         if self._fetch_hooked is not None:
-            # drop our instance attributes: the class's own start/stop (or what was there before) show through again
-            profiler, saved = self._fetch_hooked
-            for name in ("start", "stop"):
-                profiler.__dict__.pop(name, None)
-            profiler.__dict__.update(saved)
+            # drop our instance attributes: the class's own methods (or what was there before) show through again
+            owner, saved = self._fetch_hooked
+            for name in ("start", "stop", "_on_before_fetch", "_on_after_fetch"):
+                if name not in saved:
+                    owner.__dict__.pop(name, None)
+            owner.__dict__.update(saved)
             self._fetch_hooked = None
 
     def _unhook_forward(self) -> None:
