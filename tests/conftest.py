@@ -54,7 +54,8 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def run_command(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``cmd`` from the repo root in its own process group; on a timeout kill the group and fail."""
+    """Run ``cmd`` from the repo root in its own process group: on a timeout every process it started (DDP ranks,
+    sweep jobs) is killed with it, and the test fails."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -74,20 +75,11 @@ def run_script(script: str, *overrides: str, log_dir: Path, timeout: float = 180
     for key in ("LT_RUN_ID", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
         if env is None or key not in env:
             full_env.pop(key, None)
-    # its own process group: on a timeout every process it started (DDP ranks, sweep jobs) is killed with it
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_group(proc)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s (hang?)\n--- stdout\n{stdout[-3000:]}\n--- stderr\n"
-                    f"{stderr[-3000:]}")
-    run = Run(proc.returncode, stdout, stderr, log_dir)
+    proc = run_command(cmd, full_env, timeout)
+    run = Run(proc.returncode, proc.stdout, proc.stderr, log_dir)
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{stdout[-4000:]}\n--- stderr\n"
-                    f"{stderr[-6000:]}")
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
+                    f"{proc.stderr[-6000:]}")
     return run
 
 
