@@ -77,7 +77,8 @@ class NonFiniteGuard(L.Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
         device = pl_module.device
-        minus_one = torch.tensor(-1.0, dtype=torch.float64, device=device)
+        # device-side constants are filled on the device (torch.tensor(value, device=...) would be a host copy)
+        minus_one = torch.full((), -1.0, dtype=torch.float64, device=device)
         if self._losses:
             losses = torch.stack(self._losses).double()
             loss_bad = ~torch.isfinite(losses)
@@ -86,13 +87,13 @@ class NonFiniteGuard(L.Callback):
         else:
             loss_bad, loss_value = torch.zeros(1, dtype=torch.bool, device=device), minus_one.new_zeros(())
         grad_bad, first_bad = torch.zeros((), dtype=torch.bool, device=device), minus_one
-        if self.check_grads:
-            indexed = [(i, p.grad) for i, p in enumerate(pl_module.parameters()) if p.grad is not None]
-            if indexed:
-                bad = ~torch.stack([torch.isfinite(g).all() for _, g in indexed])
-                index = torch.tensor([i for i, _ in indexed], dtype=torch.float64, device=device)
-                grad_bad = bad.any()
-                first_bad = torch.where(grad_bad, index[bad.double().argmax()], minus_one)
+        grads = [p.grad for p in pl_module.parameters()] if self.check_grads else []
+        if any(g is not None for g in grads):
+            finite = torch.ones((), dtype=torch.bool, device=device)  # what a parameter without a gradient counts as
+            # one flag per parameter, in named_parameters() order: the first bad one's position is its index
+            bad = ~torch.stack([torch.isfinite(g).all() if g is not None else finite for g in grads])
+            grad_bad = bad.any()
+            first_bad = torch.where(grad_bad, bad.double().argmax(), minus_one)
         local = torch.stack([loss_bad.any().double(), grad_bad.double(), first_bad.double(), loss_value])
         self._reset()
         # every rank, every optimizer step, the same one collective

@@ -44,8 +44,6 @@ from lit_template.callbacks.profiling_stats import (
 from lit_template.callbacks.report import append_jsonl, reports_dir, run_dir, say, write_json
 from lit_template.errors import ConfigError
 
-# what Lightning's training loop calls its dataloader fetch (loops/training_epoch_loop.py, _on_before_fetch)
-FETCH_ACTION = "train_dataloader_next"
 OPTION = "callbacks.profiling"
 
 
@@ -286,51 +284,29 @@ class ProfilingCallback(L.Callback):
     def _hook_fetch(self, trainer: L.Trainer) -> None:
         """Time the training loop's ``next()`` on its dataloader: that, not the whole gap between two batches (other
         callbacks' hooks, logging), is the data wait. Lightning's training epoch loop brackets each fetch with its
-        ``_on_before_fetch`` / ``_on_after_fetch`` (which report the action ``train_dataloader_next`` to
-        ``trainer.profiler``); wrap those two on this fit's loop, else (another Lightning) the profiler's start/stop,
-        which sees every hook of the loop and so costs a little more."""
-        timer = self._timer
+        ``_on_before_fetch`` / ``_on_after_fetch``; wrap those two on this fit's loop. A Lightning without them
+        leaves the timer with no fetch marks, and it counts the whole gap as data wait (StepTimer._resolve)."""
         loop = trainer.fit_loop.epoch_loop
-        if callable(getattr(loop, "_on_before_fetch", None)) and callable(getattr(loop, "_on_after_fetch", None)):
-            before, after = loop._on_before_fetch, loop._on_after_fetch
-
-            def on_before_fetch() -> None:
-                timer.fetch_start()
-                before()
-
-            def on_after_fetch() -> None:
-                after()
-                timer.fetch_end()
-
-            self._fetch_hooked = (loop, {name: loop.__dict__[name] for name in ("_on_before_fetch", "_on_after_fetch")
-                                         if name in loop.__dict__})
-            loop._on_before_fetch, loop._on_after_fetch = on_before_fetch, on_after_fetch  # type: ignore[method-assign]
+        if not (callable(getattr(loop, "_on_before_fetch", None)) and callable(getattr(loop, "_on_after_fetch", None))):
             return
-        profiler = trainer.profiler
-        start, stop = profiler.start, profiler.stop
+        timer, before, after = self._timer, loop._on_before_fetch, loop._on_after_fetch
 
-        def start_action(action_name: str) -> None:
-            if action_name.endswith(FETCH_ACTION):
-                timer.fetch_start()
-            start(action_name)
+        def on_before_fetch() -> None:
+            timer.fetch_start()
+            before()
 
-        def stop_action(action_name: str) -> None:
-            stop(action_name)
-            if action_name.endswith(FETCH_ACTION):
-                timer.fetch_end()
+        def on_after_fetch() -> None:
+            after()
+            timer.fetch_end()
 
-        self._fetch_hooked = (profiler, {name: profiler.__dict__[name] for name in ("start", "stop")
-                                         if name in profiler.__dict__})
-        profiler.start, profiler.stop = start_action, stop_action  # type: ignore[method-assign]
+        loop._on_before_fetch, loop._on_after_fetch = on_before_fetch, on_after_fetch  # type: ignore[method-assign]
+        self._fetch_hooked = loop
 
     def _unhook_fetch(self) -> None:
         if self._fetch_hooked is not None:
-            # drop our instance attributes: the class's own methods (or what was there before) show through again
-            owner, saved = self._fetch_hooked
-            for name in ("start", "stop", "_on_before_fetch", "_on_after_fetch"):
-                if name not in saved:
-                    owner.__dict__.pop(name, None)
-            owner.__dict__.update(saved)
+            # drop the instance attributes: the loop's own methods show through again
+            for name in ("_on_before_fetch", "_on_after_fetch"):
+                self._fetch_hooked.__dict__.pop(name, None)
             self._fetch_hooked = None
 
     def _unhook_forward(self) -> None:

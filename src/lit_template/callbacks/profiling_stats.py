@@ -210,6 +210,11 @@ class StepTimer:
 
 
 # -- statistics ------------------------------------------------------------------------------------------------------
+def _ratio(amount: float, per: float) -> float:
+    """``amount / per`` (a rate, a share, a mean); NaN when there is nothing to divide by (no steps, no time)."""
+    return amount / per if per > 0 else math.nan
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default); NaN for no values."""
     if not values:
@@ -251,23 +256,23 @@ class WindowStats:
 
     @property
     def data_wait_pct(self) -> float:
-        return 100.0 * self.data_wait_s / self.time_s if self.time_s > 0 else math.nan
+        return 100.0 * _ratio(self.data_wait_s, self.time_s)
 
     @property
     def samples_per_s(self) -> float:
-        return self.samples / self.time_s if self.time_s > 0 else math.nan
+        return _ratio(self.samples, self.time_s)
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.time_s if self.time_s > 0 else math.nan
+        return _ratio(self.tokens, self.time_s)
 
     @property
     def step_time_s_mean(self) -> float:
-        return self.time_s / self.steps if self.steps else math.nan
+        return _ratio(self.time_s, self.steps)
 
     @property
     def pre_sync_s_mean(self) -> float:
-        return self.pre_sync_s / self.steps if self.steps else math.nan
+        return _ratio(self.pre_sync_s, self.steps)
 
 
 @dataclass(frozen=True)
@@ -382,11 +387,11 @@ class GlobalWindow:
 
     @property
     def samples_per_s_global(self) -> float:
-        return self.samples / self.time_s if self.time_s > 0 else math.nan
+        return _ratio(self.samples, self.time_s)
 
     @property
     def tokens_per_s_global(self) -> float:
-        return self.tokens / self.time_s if self.time_s > 0 else math.nan
+        return _ratio(self.tokens, self.time_s)
 
     @property
     def mfu_pct(self) -> float | None:

@@ -21,11 +21,14 @@ def _strategy_backend(strategy: Any) -> str | None:
     return None
 
 
-def _as_int_devices(devices: Any) -> int | None:
-    if isinstance(devices, int):
-        return devices
-    if isinstance(devices, str) and devices.lstrip("-").isdigit():
-        return int(devices)
+def as_int(value: Any) -> int | None:
+    """A whole number given as an int or a string of digits (``"-1"`` too); None for anything else, bools included."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return int(value)
     return None
 
 
@@ -41,7 +44,7 @@ def check_trainer_config(trainer_cfg: DictConfig) -> None:
     if accelerator in GPU_ACCELERATORS and gpus == 0:
         raise ConfigError(f"trainer.accelerator={accelerator} but this machine has no CUDA GPU: {CPU_HINT}")
 
-    n = _as_int_devices(devices)
+    n = as_int(devices)
     if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
         if accelerator in GPU_ACCELERATORS and any(int(d) >= gpus for d in devices):
             raise ConfigError(f"trainer.devices={list(devices)} names a GPU index but this machine has {gpus} GPU(s)")

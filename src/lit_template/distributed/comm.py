@@ -19,6 +19,7 @@ from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig
 
+from lit_template.distributed.checks import as_int
 from lit_template.errors import ConfigError
 
 DDP_TRAINERS = "trainer=ddp_cpu (CPU, gloo), trainer=ddp or trainer=ddp_multinode"
@@ -56,14 +57,11 @@ class CommDDPStrategy(DDPStrategy):
         return self._model_averaging_period
 
 
-def _as_int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.lstrip("-").isdigit():
-        return int(value)
-    return None
+def _whole_number(name: str, path: str, value: Any, minimum: int, why: str) -> None:
+    """``value`` (at ``trainer.strategy.<path>``) must be a whole number >= ``minimum``, else a ConfigError naming it."""
+    number = as_int(value)
+    if number is None or number < minimum:
+        raise ConfigError(f"comm={name}: trainer.strategy.{path}={value!r}: use a whole number >= {minimum} ({why})")
 
 
 def _target(node: Any) -> str:
@@ -89,7 +87,7 @@ def check_comm_config(trainer_cfg: DictConfig) -> None:
         raise ConfigError(
             f"comm={name} sets DDP communication options, but the trainer config has no DDP strategy "
             f"(trainer.strategy has only what comm={name} set): use {DDP_TRAINERS}, or drop comm=")
-    devices, num_nodes = _as_int(trainer_cfg.get("devices", "auto")), _as_int(trainer_cfg.get("num_nodes", 1))
+    devices, num_nodes = as_int(trainer_cfg.get("devices", "auto")), as_int(trainer_cfg.get("num_nodes", 1))
     if devices == 1 and num_nodes == 1:
         raise ConfigError(
             f"comm={name} changes how DDP processes communicate, but trainer.devices=1 and trainer.num_nodes=1 "
@@ -97,16 +95,10 @@ def check_comm_config(trainer_cfg: DictConfig) -> None:
 
     state = strategy.get("ddp_comm_state")
     if "PostLocalSGDState" in _target(state):
-        period = _as_int(strategy.get("model_averaging_period"))
-        if period is None or period < 2:
-            raise ConfigError(
-                f"comm={name}: trainer.strategy.model_averaging_period={strategy.get('model_averaging_period')!r}: "
-                "local SGD averages the model every N optimizer steps; use a whole number >= 2 (1 is plain DDP)")
-        start = _as_int(state.get("start_localSGD_iter"))
-        if start is None or start < 1:
-            raise ConfigError(
-                f"comm={name}: trainer.strategy.ddp_comm_state.start_localSGD_iter={state.get('start_localSGD_iter')!r}"
-                ": use a whole number >= 1 (optimizer steps of plain DDP before local SGD starts)")
+        _whole_number(name, "model_averaging_period", strategy.get("model_averaging_period"), 2,
+                      "local SGD averages the model every N optimizer steps; 1 is plain DDP")
+        _whole_number(name, "ddp_comm_state.start_localSGD_iter", state.get("start_localSGD_iter"), 1,
+                      "optimizer steps of plain DDP before local SGD starts")
         if "post_localSGD_hook" not in _target(strategy.get("ddp_comm_hook")) + str(
                 (strategy.get("ddp_comm_hook") or {}).get("path", "")):
             raise ConfigError(f"comm={name}: a PostLocalSGDState needs trainer.strategy.ddp_comm_hook = "
@@ -123,13 +115,7 @@ def check_comm_config(trainer_cfg: DictConfig) -> None:
             f"comm={name}: trainer.strategy.model_averaging_period is set but ddp_comm_state is not a "
             "PostLocalSGDState, so nothing would average the model: use comm=local_sgd")
     if "PowerSGDState" in _target(state):
-        start = _as_int(state.get("start_powerSGD_iter"))
-        if start is None or start < 2:
-            raise ConfigError(
-                f"comm={name}: trainer.strategy.ddp_comm_state.start_powerSGD_iter={state.get('start_powerSGD_iter')!r}"
-                ": use a whole number >= 2 (PowerSGD's error feedback and warm start need plain all-reduce steps first)")
-        rank = _as_int(state.get("matrix_approximation_rank"))
-        if rank is None or rank < 1:
-            raise ConfigError(
-                f"comm={name}: trainer.strategy.ddp_comm_state.matrix_approximation_rank="
-                f"{state.get('matrix_approximation_rank')!r}: use a whole number >= 1")
+        _whole_number(name, "ddp_comm_state.start_powerSGD_iter", state.get("start_powerSGD_iter"), 2,
+                      "PowerSGD's error feedback and warm start need plain all-reduce steps first")
+        _whole_number(name, "ddp_comm_state.matrix_approximation_rank", state.get("matrix_approximation_rank"), 1,
+                      "the rank of each gradient matrix's approximation")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 from omegaconf import OmegaConf
@@ -33,21 +34,17 @@ def rank_zero_value(value: str) -> str | None:
 
 
 def _leading_int(value: str | None) -> int | None:
-    """``"8"`` -> 8; SLURM's ``"8(x2)"`` -> 8; anything else -> None."""
-    digits = ""
-    for char in (value or "").strip():
-        if not char.isdigit():
-            break
-        digits += char
-    return int(digits) if digits else None
+    """``"8"`` -> 8; SLURM's ``"8(x2)"`` -> 8; anything else (``"0"`` included) -> None."""
+    match = re.match(r"\s*(\d+)", value or "")
+    return int(match.group(1)) or None if match else None
 
 
 def num_nodes(default: int) -> int:
     """Nodes of this job: NUM_NODES (the launch scripts), else what SLURM or torchrun set, else ``default``."""
     env = os.environ
     for value in (env.get("NUM_NODES"), env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")):
-        if _leading_int(value):
-            return _leading_int(value)  # type: ignore[return-value]
+        if nodes := _leading_int(value):
+            return nodes
     world, local = _leading_int(env.get("WORLD_SIZE")), _leading_int(env.get("LOCAL_WORLD_SIZE"))
     if "TORCHELASTIC_RUN_ID" in env and world and local:
         return max(world // local, 1)
@@ -56,10 +53,9 @@ def num_nodes(default: int) -> int:
 
 def devices_per_node(default: int) -> int:
     """Processes (GPUs) per node: GPUS_PER_NODE, else SLURM's tasks per node, else torchrun's LOCAL_WORLD_SIZE."""
-    env = os.environ
     for name in ("GPUS_PER_NODE", "SLURM_NTASKS_PER_NODE", "LOCAL_WORLD_SIZE"):
-        if _leading_int(env.get(name)):
-            return _leading_int(env.get(name))  # type: ignore[return-value]
+        if devices := _leading_int(os.environ.get(name)):
+            return devices
     return default
 
 

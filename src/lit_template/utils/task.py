@@ -204,21 +204,16 @@ def task_wrapper(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], An
             run_dir = None
         _install_child_rank_watch(Path(run_dir) if run_dir else None)
         try:
-            try:
-                value = task(cfg)
-            except Exception as err:
-                user_error = _user_error(err)
-                if user_error is None or user_error is err:
-                    raise
-                raise user_error from None
-        except ConfigError as err:
-            if in_multirun():
-                log.error(f"job failed: {err}")
-                _write_failure(cfg, err)
-                return _failed_job(f"job failed: {err}")
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            value = task(cfg)
         except Exception as err:
+            user_error = _user_error(err)
+            if user_error is not None:
+                if in_multirun():
+                    log.error(f"job failed: {user_error}")
+                    _write_failure(cfg, user_error)
+                    return _failed_job(f"job failed: {user_error}")
+                print(f"error: {user_error}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
             if not in_multirun():
                 _say_rank_failed(err)
                 raise
