@@ -27,7 +27,7 @@ def kill_during_save(ckpt: str) -> None:
     are written but before they are renamed into place (the window a crash would hit)."""
     import torch
 
-    from lit_template.utils import checkpoint_io
+    from lit_template import checkpoints as checkpoint_io
 
     def fsync_then_die(fd: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -18,8 +18,8 @@ from conftest import run_command
 
 from lit_template.checkpoints import check_checkpoint
 from lit_template.errors import ConfigError
-from lit_template.utils import checkpoint_io
-from lit_template.utils.checkpoint_io import AtomicCheckpointIO
+from lit_template import checkpoints as checkpoint_io
+from lit_template.checkpoints import AtomicCheckpointIO
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ("test=false", "callbacks.rich_progress_bar=null", "extras.print_config=false", "trainer.limit_val_batches=2",

@@ -1,15 +1,30 @@
-"""Finding the checkpoint a run resumes from or evaluates (``ckpt_path=last``, ``auto``, a path, or null), and
-refusing a file that is not a checkpoint before Lightning tries to load it."""
+"""Where checkpoints are written, found and loaded: one module.
+
+- Written (:class:`AtomicCheckpointIO`, the trainer's checkpoint plugin): to a temp file in the same folder
+  (``.<name>.<pid>.tmp``), flushed and fsynced, then renamed over the target with ``os.replace`` (atomic on POSIX),
+  and the folder fsynced; a process killed mid-save leaves the previous file intact and at most a ``*.tmp`` file,
+  which no resume path ever picks. Remote paths (``s3://``...) go through Lightning's writer. Which files are written
+  when: ``callbacks/last_checkpoint.py`` (``last.ckpt``) and ``conf/callbacks/model_checkpoint.yaml`` (the best).
+- Found (:func:`resolve_ckpt_path`): ``ckpt_path=last``, ``auto``, a path, or null.
+- Loaded safely (:func:`check_checkpoint`): ``torch.load(weights_only=True)``, and a Lightning checkpoint, before
+  Lightning tries to; a checkpoint that does not fit the model config is one line naming what it was trained with
+  (:func:`load_mismatch`).
+"""
 
 from __future__ import annotations
 
+import os
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from omegaconf import DictConfig
 
 from lit_template.errors import ConfigError
+
+LAST = "last.ckpt"
 
 
 def resolve_ckpt_path(cfg: DictConfig, option: str = "ckpt_path") -> str | None:
@@ -19,7 +34,7 @@ def resolve_ckpt_path(cfg: DictConfig, option: str = "ckpt_path") -> str | None:
     value = cfg.get(option)
     if value in (None, ""):
         return None
-    own = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+    own = Path(cfg.paths.output_dir) / "checkpoints" / LAST
     if value == "auto":
         # a torchrun restart with a fixed LT_RUN_ID finds the first attempt's last.ckpt; a first start has none
         return check_checkpoint(own, option, value) if own.is_file() else None
@@ -28,7 +43,7 @@ def resolve_ckpt_path(cfg: DictConfig, option: str = "ckpt_path") -> str | None:
             return check_checkpoint(own, option, value)
         # eval looks among the train task's runs (conf/eval.yaml sets ckpt_search_task)
         runs = Path(cfg.paths.log_dir) / str(cfg.get("ckpt_search_task") or cfg.task_name)
-        candidates = sorted(runs.glob("**/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime)
+        candidates = sorted(runs.glob(f"**/checkpoints/{LAST}"), key=lambda p: p.stat().st_mtime)
         if not candidates:
             raise ConfigError(
                 f"{option}=last but there is no last.ckpt in {own.parent} nor under {runs}: "
@@ -39,6 +54,22 @@ def resolve_ckpt_path(cfg: DictConfig, option: str = "ckpt_path") -> str | None:
     if not path.is_file():
         raise ConfigError(f"{option}={value!r} is not a file: give the path of a .ckpt, 'last' or 'auto'")
     return check_checkpoint(path.resolve(), option, value)
+
+
+def check_checkpoint_callbacks(callbacks: list[Any]) -> None:
+    """One writer per checkpoint file: a ``ModelCheckpoint(save_last=True)`` beside ``last_checkpoint`` in the same
+    folder would overwrite ``last.ckpt`` with an older state whenever its metric improves."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_template.callbacks.last_checkpoint import LastCheckpoint
+
+    owners = {str(cb.dirpath) for cb in callbacks if isinstance(cb, LastCheckpoint)}
+    for cb in callbacks:
+        if isinstance(cb, ModelCheckpoint) and not isinstance(cb, LastCheckpoint) and cb.save_last \
+                and str(cb.dirpath) in owners:
+            raise ConfigError(f"a ModelCheckpoint (monitor={cb.monitor!r}) has save_last={cb.save_last!r} in "
+                              f"{cb.dirpath}, where callbacks.last_checkpoint writes {LAST}: set its save_last=false "
+                              "(last_checkpoint keeps last.ckpt current), or callbacks.last_checkpoint=null")
 
 
 def check_checkpoint(path: Path, option: str = "ckpt_path", value: object = None) -> str:
@@ -102,3 +133,48 @@ def load_mismatch(cfg: DictConfig, ckpt_path: str, error: BaseException) -> Conf
     else:
         fix = "pass the model=... and data=... (and any model.* overrides) the checkpoint was trained with"
     return ConfigError(f"ckpt_path={ckpt_path}: the checkpoint's weights do not fit this config ({current}); {fix}")
+
+
+TMP_SUFFIX = ".tmp"
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's torch.save writer, made atomic (see the module docstring), and safe loading by default."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if "://" in str(path) and not str(path).startswith("file://"):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        target = Path(str(path).removeprefix("file://"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}{TMP_SUFFIX}")
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(target.parent)
+
+    def load_checkpoint(self, path: Any, map_location: Any = lambda storage, loc: storage,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        # safe loading unless the caller asks otherwise: tensors and plain values only, no code runs on load
+        return super().load_checkpoint(path, map_location=map_location,
+                                       weights_only=True if weights_only is None else weights_only)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems do not fsync directories
+    finally:
+        os.close(fd)

@@ -10,7 +10,7 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig
 
-from lit_template.checkpoints import load_mismatch, resolve_ckpt_path
+from lit_template.checkpoints import check_checkpoint_callbacks, load_mismatch, resolve_ckpt_path
 from lit_template.distributed.checks import check_trainer_config
 from lit_template.distributed.comm import check_comm_config
 from lit_template.distributed.env import apply_env, check_launch_env
@@ -38,6 +38,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     log.info(f"model <{cfg.model._target_}>")
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
     callbacks = instantiate_callbacks(cfg.get("callbacks"))
+    check_checkpoint_callbacks(callbacks)
     loggers = instantiate_loggers(cfg.get("logger"))
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
     return {"cfg": cfg, "datamodule": datamodule, "model": model, "callbacks": callbacks, "loggers": loggers,
@@ -73,6 +74,12 @@ def optimized_metric(cfg: DictConfig, metrics: dict[str, Any]) -> float | None:
     return value if math.isfinite(value) else math.nan
 
 
+def best_checkpoint(trainer: L.Trainer) -> str:
+    """The best checkpoint of the first checkpoint callback that monitors a metric ("" if none saved one)."""
+    monitoring = [cb for cb in trainer.checkpoint_callbacks if getattr(cb, "monitor", None)]
+    return monitoring[0].best_model_path if monitoring else ""
+
+
 @task_wrapper
 def run(cfg: DictConfig) -> float | None:
     if cfg.get("extras", {}).get("print_config"):
@@ -94,7 +101,7 @@ def run(cfg: DictConfig) -> float | None:
     metrics = {k: v.item() if hasattr(v, "item") else v for k, v in trainer.callback_metrics.items()}
 
     if cfg.get("test", False):
-        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        best = best_checkpoint(trainer)
         if not best:
             log.warning("no best checkpoint was saved: testing the weights as they are now")
         trainer.test(model=model, datamodule=datamodule, ckpt_path=best or None)

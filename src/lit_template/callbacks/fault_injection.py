@@ -27,6 +27,7 @@ ACTIONS = {
     "hang": "batch_start",  # sleep forever: alive but stuck
     "raise": "batch_start",  # raise RuntimeError
     "kill": "batch_start",  # SIGKILL this process
+    "signal": "batch_start",  # send this process `signal` (SIGUSR1, SIGTERM: what a scheduler sends before it stops a job)
     "nan_loss": "batch_start",  # the next loss becomes NaN (inputs scaled by NaN)
     "perturb_grad": "after_backward",  # add `amount` to one gradient after the all-reduce
     "nan_grad": "after_backward",  # one gradient element becomes NaN after the all-reduce
@@ -48,11 +49,13 @@ class FaultInjection(L.Callback):
         amount: float = 1e-3,
         seconds: float = 1.0,
         every_step: bool = False,
+        signal: str = "SIGTERM",
     ) -> None:
         if action not in ACTIONS:
             raise ConfigError(f"callbacks.fault.action={action!r}: choose one of {', '.join(ACTIONS)}")
         self.action, self.rank, self.step, self.target = action, rank, step, target
         self.amount, self.seconds, self.every_step = amount, seconds, every_step
+        self.signal = signal
         self.fired = 0
 
     # -- when -----------------------------------------------------------------------------------------------------
@@ -88,6 +91,8 @@ class FaultInjection(L.Callback):
             raise RuntimeError(f"fault injection: rank {trainer.global_rank} raised at step {trainer.global_step}")
         elif self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif self.action == "signal":
+            os.kill(os.getpid(), signal.Signals[self.signal])
         elif self.action == "nan_loss":
             batch[0].mul_(float("nan"))
 

@@ -3,30 +3,14 @@
 from __future__ import annotations
 
 import os
-from typing import Iterator, Sequence, Sized
+from typing import Sequence
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler, random_split
+from torch.utils.data import DataLoader, Dataset, random_split
 
+from lit_template.data.sampling import ResumableDataLoader, ResumableSampler
 from lit_template.errors import ConfigError
-
-
-class EpochSeededSampler(RandomSampler):
-    """A shuffle whose order depends only on ``seed + epoch``, not on the global RNG, so a run resumed at epoch E
-    sees the same batches as one that never stopped. Lightning calls ``set_epoch`` each epoch; being a RandomSampler,
-    under DDP it is replaced by Lightning's DistributedSampler (seeded with the global seed, also set_epoch'd)."""
-
-    def __init__(self, data_source: Sized, seed: int = 0) -> None:
-        super().__init__(data_source)
-        self.seed, self.epoch = seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        yield from torch.randperm(len(self.data_source), generator=generator).tolist()
 
 
 class ImageDataModule(L.LightningDataModule):
@@ -86,16 +70,17 @@ class ImageDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
         assert dataset is not None, "setup() must run before the loaders are asked for"
-        # the seed of seed_everything (train.yaml `seed`), else the split seed
+        options = dict(batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers,
+                       pin_memory=self.hparams.pin_memory, persistent_workers=self.hparams.num_workers > 0)
+        if not shuffle:
+            # validation/test: under DDP Lightning shards these with its own DistributedSampler
+            return DataLoader(dataset, **options)
+        # the seed of seed_everything (train.yaml `seed`), else the split seed; sharded by the data-parallel rank
         seed = int(os.environ.get("PL_GLOBAL_SEED", self.hparams.split_seed))
-        return DataLoader(
-            dataset,
-            batch_size=self.hparams.batch_size,
-            sampler=EpochSeededSampler(dataset, seed=seed) if shuffle else None,
-            num_workers=self.hparams.num_workers,
-            pin_memory=self.hparams.pin_memory,
-            persistent_workers=self.hparams.num_workers > 0,
-        )
+        shard = (self.trainer.distributed_sampler_kwargs if self.trainer is not None else None) or {}
+        sampler = ResumableSampler(dataset, num_replicas=shard.get("num_replicas", 1), rank=shard.get("rank", 0),
+                                   shuffle=True, seed=seed)
+        return ResumableDataLoader(dataset, sampler=sampler, **options)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.data_train, shuffle=True)

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from lit_template.callbacks.report import write_json
 from lit_template.distributed.launch import forget_job_rendezvous, in_multirun
+from lit_template.distributed.preemption import Preempted
 from lit_template.errors import ConfigError
 from lit_template.utils.pylogger import RankedLogger
 
@@ -110,6 +111,12 @@ class ChildRankWatch(threading.Thread):
                 return False
             if time.monotonic() >= deadline:
                 return None
+            time.sleep(0.1)
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the children to exit (after a coordinated stop)."""
+        deadline = time.monotonic() + timeout_s
+        while any(proc.poll() is None for proc in self.procs) and time.monotonic() < deadline:
             time.sleep(0.1)
 
     def report(self, rank: int, pid: int, code: int) -> None:
@@ -205,6 +212,12 @@ def task_wrapper(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], An
         _install_child_rank_watch(Path(run_dir) if run_dir else None)
         try:
             value = task(cfg)
+        except Preempted:
+            # every rank stopped at the same step with last.ckpt saved; the launching rank lets its children finish
+            watch = _ACTIVE_WATCH[0]
+            if watch is not None:
+                watch.wait(timeout_s=60.0)
+            raise
         except Exception as err:
             user_error = _user_error(err)
             if user_error is not None:
