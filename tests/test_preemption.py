@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +70,24 @@ def test_sigkill_after_a_mid_epoch_step_checkpoint_resumes_to_the_same_weights(t
     assert "not resumable" not in resumed.output  # Lightning's warning for a loader without state
     assert_same_weights(last_ckpt(whole), last_ckpt(resumed))
     assert whole.last_value("val/acc") == resumed.last_value("val/acc")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_mid_epoch_resume_is_exact_when_configure_optimizers_reads_estimated_stepping_batches(train, tmp_path):
+    # Lightning #20550: reading trainer.estimated_stepping_batches there builds the train loader before the restore,
+    # and Lightning then never loads its position; last_checkpoint loads it at train start
+    args = (*EXACT, "model._target_=resume_support.StepsSizedClassifier", "trainer.max_epochs=2",
+            "callbacks.last_checkpoint.every_n_train_steps=5")
+    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    whole = train(*args, log_dir=tmp_path / "whole", env=env, timeout=200)
+    env_killed = {**env, "LT_RUN_ID": "killed"}
+    killed = train(*args, *fault("kill", 0, 12), log_dir=tmp_path / "broken", env=env_killed, timeout=200,
+                   check=False)
+    assert killed.returncode != 0 and last_ckpt(killed)["global_step"] == 10
+    resumed = train(*args, "ckpt_path=auto", log_dir=tmp_path / "broken", env=env_killed, timeout=200)
+    assert_same_weights(last_ckpt(whole), last_ckpt(resumed))
+    assert "loaded the train dataloader's position from the checkpoint, which Lightning had skipped" in resumed.output
 
 
 # -- preemption: a signal, one agreed stop, resume ------------------------------------------------------------------

@@ -14,10 +14,13 @@ restart the job from its last checkpoint; with ``report`` training keeps waiting
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
+import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +28,16 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from lit_template.callbacks.hang_watchdog import ABORT_EXIT_CODE, Watchdog, WatchdogConfig
-from lit_template.callbacks.report import run_dir, say
+from lit_template.callbacks.hang_watchdog import (
+    ABORT_EXIT_CODE,
+    Watchdog,
+    WatchdogConfig,
+    lost_peer,
+    lost_peer_sentence,
+    silent_ranks,
+)
+from lit_template.callbacks.report import run_dir, say, write_json
+from lit_template.distributed.preemption import SignalRecorder
 from lit_template.errors import ConfigError
 
 ON_STALL = ("abort", "report")
@@ -63,7 +74,6 @@ class HangDoctor(L.Callback):
             # Read when the process group is created, which is after this (callbacks are built before the Trainer,
             # whose launcher passes the environment on to the processes it starts).
             _set_env("TORCH_FR_BUFFER_SIZE", str(flight_recorder_entries))
-            _set_env("TORCH_NCCL_TRACE_BUFFER_SIZE", str(flight_recorder_entries))
             if process_group_backend == "nccl":
                 _set_env("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
                 if output_dir:
@@ -109,7 +119,30 @@ class HangDoctor(L.Callback):
         self._stop("stopped")
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        watchdog = self._watchdog
         self._stop("exception")
+        if watchdog is not None and trainer.world_size > 1 and lost_peer(exception):
+            self._name_lost_peers(trainer, watchdog, exception)
+
+    def _name_lost_peers(self, trainer: L.Trainer, watchdog: Watchdog, exception: BaseException) -> None:
+        """A collective failed because the rank at its other end went away (SIGKILL, OOM killer, a crash that
+        skipped Python, a lost node): name it from the heartbeats, which takes up to one heartbeat interval."""
+        # a launcher that saw the rank die (srun --kill-on-bad-exit, torchrun) sends SIGTERM now: finish first
+        deferred = SignalRecorder([signal.SIGTERM])
+        deferred.install()
+        try:
+            silent = silent_ranks(watchdog.heartbeat_dir, trainer.world_size, trainer.global_rank,
+                                  self.heartbeat_interval_s)
+        finally:
+            deferred.uninstall()
+        now = time.time()
+        sentence = lost_peer_sentence(trainer.global_rank, trainer.global_step, exception, silent, now)
+        say(sentence, logging.ERROR)
+        write_json(watchdog.cfg.hang_dir / f"lost_peer.rank{trainer.global_rank}.json", {
+            "kind": "lost_peer", "global_step": trainer.global_step, "global_rank": trainer.global_rank,
+            "ranks": sorted(silent), "error": f"{type(exception).__name__}: {exception}"[:2000],
+            "heartbeats": {str(r): dataclasses.asdict(b) if b else None for r, b in silent.items()},
+            "sentence": sentence, "time_unix": round(now, 3)})
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._stop("stopped")

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -450,3 +451,84 @@ def _flush_all() -> None:
             stream.flush()
         except Exception:
             pass
+
+
+# -- a peer that is gone ------------------------------------------------------------------------------------------
+
+# what gloo and NCCL say when the other end of a collective went away (the process died, or its node)
+_LOST_PEER_TEXT = ("connection closed by peer", "connection reset by peer", "broken pipe",
+                   "remote process exited", "communicator was aborted")
+
+
+def lost_peer(error: BaseException | None) -> bool:
+    """Whether ``error`` (or what caused it) says a collective lost the rank at its other end."""
+    seen = 0
+    while error is not None and seen < 8:
+        text = str(error).lower()
+        if type(error).__name__ == "DistNetworkError" or any(t in text for t in _LOST_PEER_TEXT):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def _process_gone(beat: Heartbeat) -> bool:
+    """True when the rank ran on this host and its process no longer exists (unknown for other hosts: False)."""
+    if beat.host != socket.gethostname():
+        return False
+    try:
+        os.kill(beat.pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def silent_ranks(heartbeat_dir: Path, world_size: int, rank: int, interval_s: float, slack_s: float = 1.5,
+                 poll_s: float = 0.2, clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep) -> dict[int, Heartbeat | None]:
+    """The other ranks that stopped writing heartbeats: dead (killed, crashed) or frozen.
+
+    A rank that lives writes its heartbeat every ``interval_s``; one that left training with an error of its own
+    writes ``alive: false`` at once. So a rank whose heartbeat is older than ``interval_s + slack_s`` and says
+    ``alive: true`` has stopped. Waits at most ``interval_s + slack_s`` for the heartbeats to tell.
+    """
+    def read(r: int) -> Heartbeat | None:
+        return Heartbeat.read(heartbeat_dir / f"rank{r}.json")
+
+    first = {r: read(r) for r in range(world_size) if r != rank}
+    undecided, silent = set(first), {}
+    deadline = clock() + interval_s + slack_s
+    while undecided:
+        now = clock()
+        for r in sorted(undecided):
+            beat = read(r)
+            if beat is not None and (not beat.alive or (first[r] is not None and beat.time_unix != first[r].time_unix)):
+                undecided.discard(r)  # it left training by itself, or it is still beating
+            elif beat is not None and (now - beat.time_unix > interval_s + slack_s or _process_gone(beat)):
+                silent[r] = beat
+                undecided.discard(r)
+            elif now >= deadline:
+                silent[r] = beat
+                undecided.discard(r)
+        if undecided:
+            sleep(poll_s)
+    return silent
+
+
+def lost_peer_sentence(rank: int, step: int, error: BaseException, silent: dict[int, Heartbeat | None],
+                       now_unix: float) -> str:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[.../pair.cc:561] " source location
+    parts = []
+    for r, beat in sorted(silent.items()):
+        if beat is None:
+            parts.append(f"global rank {r} is gone (it never wrote a heartbeat)")
+            continue
+        gone = "its process is gone" if _process_gone(beat) else "it died (killed or crashed) or froze"
+        parts.append(f"global rank {r} is gone: its last heartbeat came {now_unix - beat.time_unix:.1f} s ago, at "
+                     f"step {beat.step} in {beat.phase}, from pid {beat.pid} on {beat.host}; {gone}")
+    if not parts:
+        parts.append("every other rank is still beating or left with an error of its own")
+    return (f"hang doctor: global rank {rank} lost a peer at step {step} ({type(error).__name__}: {first[:160]}); "
+            + "; ".join(parts) + ".")

@@ -9,10 +9,11 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_template.distributed.preemption import StepVote
 from lit_template.errors import ConfigError
-from lit_template.lightning_compat import is_last_batch_of_epoch
+from lit_template.lightning_compat import is_last_batch_of_epoch, load_pending_dataloader_state
 
 NAME = "last"
 
@@ -73,6 +74,9 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        if load_pending_dataloader_state(trainer):
+            rank_zero_info("last checkpoint: loaded the train dataloader's position from the checkpoint, which "
+                           "Lightning had skipped (#20550: estimated_stepping_batches read before the restore)")
         self._step_seen = trainer.global_step
         self._saved_at = time.monotonic()
         if self.every_n_minutes is not None:

@@ -164,7 +164,10 @@ class Preemption(L.Callback):
             self._exit(trainer)
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._recorder.uninstall()
+        # after an agreed stop the handlers stay until the process exits: the SIGTERM that `scontrol requeue` (or
+        # the launcher) sends next would otherwise kill a rank while it shuts down
+        if not isinstance(exception, Preempted):
+            self._recorder.uninstall()
 
     # -- acting --------------------------------------------------------------------------------------------------
     def _agree(self, result: list[list[int]] | None) -> bool:
@@ -194,5 +197,4 @@ class Preemption(L.Callback):
                     record.requeue_message = None if record.requeued else message
             write_json(reports_dir(trainer) / "preemption.json", asdict(record))
             say(record.sentence(), logging.WARNING)
-        self._recorder.uninstall()
         raise Preempted(self.exit_code, record.sentence())

@@ -59,12 +59,19 @@ def devices_per_node(default: int) -> int:
     return default
 
 
+def gpus_per_node(accelerator: str, devices: int) -> int | None:
+    """GPUs a SLURM job asks for per node (conf/launcher/slurm.yaml): ``devices`` for a GPU trainer, else None (no
+    GPU request, which a cluster without GPUs would refuse)."""
+    return devices if str(accelerator).lower() in ("gpu", "cuda") else None
+
+
 def register() -> None:
     if not OmegaConf.has_resolver("lt.run_id"):
         OmegaConf.register_new_resolver("lt.run_id", run_id)
         OmegaConf.register_new_resolver("lt.rank_zero", rank_zero_value)
         OmegaConf.register_new_resolver("lt.num_nodes", num_nodes)
         OmegaConf.register_new_resolver("lt.devices_per_node", devices_per_node)
+        OmegaConf.register_new_resolver("lt.gpus_per_node", gpus_per_node)
 
 
 register()
