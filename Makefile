@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
 
-.PHONY: install train train-ddp test test-fast test-all bench clean help
+.PHONY: install train train-ddp test test-fast lint format bench clean help
 
 help:  ## show the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -26,6 +26,15 @@ test:  ## the whole suite, slow multi-process tests included (about 10 minutes o
 
 test-fast:  ## skip the slow tests
 	$(PY) -m pytest -q -m "not slow"
+
+lint:  ## ruff (lint + format check) and shellcheck on the scripts; .ci/run runs it
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/shellcheck scripts/*.sh scripts/*.sbatch .ci/run
+
+format:  ## fix what ruff can fix, then format
+	.venv/bin/ruff check --fix .
+	.venv/bin/ruff format .
 
 bench:  ## the template versus a hand-written loop (1 process, then 2 over gloo), then each callback's own overhead
 	$(PY) scripts/benchmark.py
