@@ -33,7 +33,8 @@ OWN_CALLBACKS = ("sync_check", "profiling", "hang_doctor", "nonfinite_guard", "r
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     import lit_template.utils.resolvers  # noqa: F401
 
@@ -47,7 +48,7 @@ def raw_worker(rank: int, world: int, args: argparse.Namespace, port: int, out: 
     import torch
     from torch import nn
 
-    from lit_template.utils.bench import StepClock
+    from lit_template.testing.bench import StepClock
 
     torch.set_num_threads(args.threads)
     if world > 1:
@@ -159,7 +160,7 @@ def main() -> None:
     default_callbacks = set(compose([]).callbacks)
     own_off = [f"callbacks.{name}=null" for name in OWN_CALLBACKS if name in default_callbacks]
     sync_prof_off = [f"callbacks.{name}=null" for name in ("sync_check", "profiling") if name in default_callbacks]
-    timer = ["+callbacks.bench._target_=lit_template.utils.bench.StepTimer"]
+    timer = ["+callbacks.bench._target_=lit_template.testing.bench.StepTimer"]
 
     variants = {
         "a": ("raw PyTorch loop" + (" (DDP, torch.distributed)" if world > 1 else ""),

@@ -36,7 +36,6 @@ def compose_cfg(*overrides: str, name: str = "train") -> DictConfig:
     with open_dict(cfg):
         cfg.paths.output_dir = "/tmp/lt-compose"
         cfg.paths.root_dir = str(CONF.parent)
-        cfg.paths.work_dir = str(CONF.parent)
     return cfg
 
 

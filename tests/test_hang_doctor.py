@@ -11,16 +11,17 @@ import time
 
 import pytest
 
-from lit_template.callbacks.fault_injection import FaultInjection, stuck_forever
 from lit_template.callbacks.hang_doctor import HangDoctor
-from lit_template.callbacks.hang_watchdog import Heartbeat, collective_of, diagnose, Frame
+from lit_template.diagnostics.hang.heartbeat import Heartbeat, diagnose
+from lit_template.diagnostics.hang.stacks import Frame, collective_of
 from lit_template.errors import ConfigError
+from lit_template.testing.faults import FaultInjection, stuck_forever
 
 SMALL = ("trainer.max_epochs=1", "++trainer.limit_train_batches=10", "++trainer.limit_val_batches=2", "test=false",
          "callbacks.early_stopping=null")
 DDP = ("trainer=ddp_cpu", *SMALL)
 FAULT = f"{FaultInjection.__module__}.{FaultInjection.__name__}"
-FAULT_FILE = "src/lit_template/callbacks/fault_injection.py"
+FAULT_FILE = "src/lit_template/testing/faults.py"
 
 
 def fault(name: str, **options) -> list[str]:
@@ -39,7 +40,7 @@ def summary_of(run) -> dict:
 
 
 def rows_of(summary: dict) -> dict[int, dict]:
-    return {row["rank"]: row for row in summary["table"]}
+    return {row["global_rank"]: row for row in summary["table"]}
 
 
 # -- real runs ----------------------------------------------------------------------------------------------------
@@ -127,7 +128,7 @@ def test_one_process_is_its_own_stuck_rank():
 
 
 def beat(rank: int, step: int = 3, phase: str = "before_backward", waiting_in: str | None = None, **kw) -> Heartbeat:
-    fields = dict(rank=rank, host="h", pid=1, step=step, phase=phase, where=f"x.py:{rank} f", waiting_in=waiting_in,
+    fields = dict(global_rank=rank, host="h", pid=1, step=step, phase=phase, where=f"x.py:{rank} f", waiting_in=waiting_in,
                   stalled=True, alive=True, no_progress_s=9.0, last_progress_unix=0.0, time_unix=100.0)
     return Heartbeat(**{**fields, **kw})
 

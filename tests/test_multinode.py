@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, kill_group
 
 TESTS = str(Path(__file__).resolve().parent)

@@ -20,7 +20,7 @@ QUICK = ("test=false", "callbacks.rich_progress_bar=null", "extras.print_config=
 EXACT = (*QUICK, "trainer.deterministic=true", "model.net.dropout=0.3", "callbacks.early_stopping=null",
          "trainer.limit_train_batches=8", "trainer.limit_val_batches=2", "trainer.max_epochs=3")
 DDP = ("trainer=ddp_cpu", "trainer.strategy.timeout.seconds=60")
-FAULT = "+callbacks.fault._target_=lit_template.callbacks.fault_injection.FaultInjection"
+FAULT = "+callbacks.fault._target_=lit_template.testing.faults.FaultInjection"
 
 
 def fault(action: str, rank: int, step: int, *extra: str) -> tuple[str, ...]:

@@ -14,7 +14,8 @@ import pytest
 from conftest import ROOT, Run, run_script
 
 from lit_template.callbacks.profiling import ProfilingCallback
-from lit_template.callbacks.profiling_stats import CpuClock, StepTimer, WindowStats, find_straggler, percentile
+from lit_template.diagnostics.profiling.stats import WindowStats, find_straggler, percentile
+from lit_template.diagnostics.profiling.timer import CpuClock, StepTimer
 from lit_template.errors import ConfigError
 
 FAST = ["trainer.max_epochs=1", "++trainer.limit_train_batches=10", "++trainer.limit_val_batches=2", "test=false",
@@ -92,7 +93,7 @@ def test_step_math_with_a_patched_clock():
 def test_batch_counts_samples_and_tokens():
     import torch
 
-    from lit_template.callbacks.profiling_stats import batch_counts
+    from lit_template.diagnostics.profiling.stats import batch_counts
 
     images, labels = torch.zeros(8, 1, 8, 8), torch.zeros(8, dtype=torch.long)
     assert batch_counts((images, labels)) == (8, 0)  # images: no sequence dimension
@@ -214,7 +215,7 @@ def test_a_sleep_in_the_dataset_raises_the_data_wait_and_mfu_comes_from_the_peak
 @pytest.mark.timeout(240)
 def test_sleep_on_rank_1_makes_it_the_straggler_and_each_rank_writes_its_traces(runs):
     run = runs("ddp", "trainer=ddp_cpu", *FAST, "callbacks.profiling.log_every_n_steps=3",
-               "+callbacks.fault._target_=lit_template.callbacks.fault_injection.FaultInjection",
+               "+callbacks.fault._target_=lit_template.testing.faults.FaultInjection",
                "+callbacks.fault.action=sleep", "+callbacks.fault.rank=1", "+callbacks.fault.step=0",
                "+callbacks.fault.every_step=true", "+callbacks.fault.seconds=0.1",
                "callbacks.profiling.trace.enabled=true", "callbacks.profiling.trace.skip_first=1",
@@ -244,7 +245,7 @@ def test_sleep_on_rank_1_makes_it_the_straggler_and_each_rank_writes_its_traces(
 
 
 def test_find_straggler_names_the_rank_that_reaches_the_sync_last():
-    from lit_template.callbacks.profiling_stats import MemoryStats, RankWindow
+    from lit_template.diagnostics.profiling.stats import MemoryStats, RankWindow
 
     def rank(r: int, pre_sync_s: float) -> RankWindow:
         w = WindowStats(steps=10, time_s=1.0, data_wait_s=0.1, pre_sync_s=10 * pre_sync_s, samples=640, tokens=0,

@@ -13,19 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_command
 
-from lit_template.checkpoints import check_checkpoint
-from lit_template.errors import ConfigError
 from lit_template import checkpoints as checkpoint_io
-from lit_template.checkpoints import AtomicCheckpointIO
+from lit_template.checkpoints import AtomicCheckpointIO, check_checkpoint
+from lit_template.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ("test=false", "callbacks.rich_progress_bar=null", "extras.print_config=false", "trainer.limit_val_batches=2",
          "logger=csv", "callbacks.profiling=null")
 DDP = ("trainer=ddp_cpu", "trainer.strategy.timeout.seconds=30")
-FAULT = "+callbacks.fault._target_=lit_template.callbacks.fault_injection.FaultInjection"
+FAULT = "+callbacks.fault._target_=lit_template.testing.faults.FaultInjection"
 
 
 def fault(action: str, rank: int, step: int) -> tuple[str, ...]:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
@@ -26,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 EXACT = ("test=false", "callbacks.rich_progress_bar=null", "extras.print_config=false", "callbacks.profiling=null",
          "trainer.deterministic=true", "model.net.dropout=0.3", "callbacks.early_stopping=null",
          "trainer.limit_train_batches=8", "trainer.limit_val_batches=2", "trainer.max_epochs=5",
-         "+callbacks.slow._target_=lit_template.callbacks.fault_injection.FaultInjection", "+callbacks.slow.action=sleep",
+         "+callbacks.slow._target_=lit_template.testing.faults.FaultInjection", "+callbacks.slow.action=sleep",
          "+callbacks.slow.rank=0", "+callbacks.slow.step=0", "+callbacks.slow.every_step=true",
          "+callbacks.slow.seconds=0.2")
 STEPS = 5 * 8
@@ -171,7 +170,7 @@ def test_scontrol_requeue_stops_every_rank_and_the_requeued_job_resumes_to_the_s
 
 @pytest.mark.timeout(300)
 def test_a_task_killed_mid_run_fails_the_job_and_the_survivor_names_the_dead_rank(cluster, logs):
-    job = cluster.sbatch(*EXACT, "+callbacks.fault._target_=lit_template.callbacks.fault_injection.FaultInjection",
+    job = cluster.sbatch(*EXACT, "+callbacks.fault._target_=lit_template.testing.faults.FaultInjection",
                          "+callbacks.fault.action=kill", "+callbacks.fault.rank=1", "+callbacks.fault.step=12",
                          log_dir=logs)
     fields = cluster.wait(job, timeout=240)

@@ -12,15 +12,15 @@ import lightning as L
 import pytest
 import torch
 
-from lit_template.callbacks import checksum as cs
-from lit_template.callbacks.fault_injection import flip_lowest_bit
 from lit_template.callbacks.sync_check import SyncCheck
+from lit_template.diagnostics import checksum as cs
 from lit_template.errors import ConfigError
+from lit_template.testing.faults import flip_lowest_bit
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-FAULT = "lit_template.callbacks.fault_injection.FaultInjection"
+FAULT = "lit_template.testing.faults.FaultInjection"
 # a short DDP run with only the sync check, checking every step
 TIMEOUT = 200
 

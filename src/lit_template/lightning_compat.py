@@ -1,14 +1,17 @@
 """Every use of a private Lightning or torch API in the template, in one place.
 
 Each function says what it reaches into and why, and was checked against the pinned versions below. When you
-upgrade Lightning or torch, read these first: a change there shows up here, not all over the package.
+upgrade Lightning or torch, read these first: a change there shows up here, not all over the package. One use is a
+method override rather than a call: ``distributed.comm.CommDDPStrategy`` overrides ``DDPStrategy._register_ddp_hooks``
+(its body is ``register_ddp_comm_hook`` below).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import lightning as L
+import torch
 
 CHECKED_WITH = {"lightning": "2.6.6", "torch": "2.14.1"}
 
@@ -54,3 +57,89 @@ def strategy_timeout_s(trainer: L.Trainer) -> float | None:
     """The process group's timeout (``trainer.strategy.timeout``), which Lightning keeps only as ``_timeout``."""
     timeout: Any = getattr(trainer.strategy, "_timeout", None)
     return timeout.total_seconds() if hasattr(timeout, "total_seconds") else None
+
+
+def hook_fetch(trainer: L.Trainer, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None] | None:
+    """Call ``before``/``after`` around each fetch of a training batch; returns the undo, or None if not possible.
+
+    Lightning's training epoch loop brackets each ``next()`` on the dataloader with its private ``_on_before_fetch``
+    / ``_on_after_fetch`` and has no public hook there. They are wrapped on this fit's loop instance; the undo drops
+    the instance attributes, so the class's methods show through again.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    names = ("_on_before_fetch", "_on_after_fetch")
+    if not all(callable(getattr(loop, name, None)) for name in names):
+        return None
+    loop_before, loop_after = loop._on_before_fetch, loop._on_after_fetch
+
+    def on_before_fetch() -> None:
+        before()
+        loop_before()
+
+    def on_after_fetch() -> None:
+        loop_after()
+        after()
+
+    loop._on_before_fetch, loop._on_after_fetch = on_before_fetch, on_after_fetch  # type: ignore[method-assign]
+
+    def undo() -> None:
+        for name in names:
+            loop.__dict__.pop(name, None)
+
+    return undo
+
+
+def compute_dtype(trainer: L.Trainer) -> torch.dtype:
+    """The dtype the precision plugin computes in (for the peak FLOP/s of MFU), through the ThroughputMonitor's
+    private ``_plugin_to_compute_dtype``; float32 if that is gone."""
+    try:
+        from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+
+        return _plugin_to_compute_dtype(trainer.precision_plugin)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return torch.float32
+
+
+def model_averager(strategy: Any) -> Any | None:
+    """The local-SGD ``PeriodicModelAverager`` Lightning's DDPStrategy builds in ``setup`` (``_model_averager``)."""
+    return getattr(strategy, "_model_averager", None)
+
+
+def wrap_process_observer(wrapper: Callable[[list, Callable[[list], None]], None]) -> None:
+    """Make Lightning's subprocess launcher call ``wrapper(child_processes, original)`` where it starts the observer
+    of its child processes (the module function ``_launch_process_observer``, looked up at call time). Idempotent."""
+    from lightning.pytorch.strategies.launchers import subprocess_script as launcher
+
+    original = launcher._launch_process_observer
+    if getattr(original, "_lit_template_wrapped", False):
+        return
+
+    def launch(child_processes: list) -> None:
+        wrapper(child_processes, original)
+
+    launch._lit_template_wrapped = True  # type: ignore[attr-defined]
+    launcher._launch_process_observer = launch
+
+
+def register_ddp_comm_hook(strategy: Any) -> None:
+    """Register the strategy's DDP comm hook on any device. Lightning's ``DDPStrategy._register_ddp_hooks`` does it
+    on CUDA only, a guard older than gloo's support for comm hooks (fp16/bf16 all-reduce included)."""
+    from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+
+    _register_ddp_comm_hook(model=strategy.model, ddp_comm_state=strategy._ddp_comm_state,
+                            ddp_comm_hook=strategy._ddp_comm_hook, ddp_comm_wrapper=strategy._ddp_comm_wrapper)
+
+
+def model_averaging_period(strategy: Any) -> int | None:
+    """The local-SGD period given to ``DDPStrategy(model_averaging_period=...)`` (kept only as a private field)."""
+    return getattr(strategy, "_model_averaging_period", None)
+
+
+def flight_recorder_dump(backend: str) -> Callable[[], bytes] | None:
+    """PyTorch's flight recorder dump for this process's groups (the pickle ``torchfrtrace`` reads): torch exposes it
+    only as ``torch._C._distributed_c10d._dump_nccl_trace`` (NCCL) / ``_dump_fr_trace`` (any backend). None if absent."""
+    from torch._C import _distributed_c10d as c10d
+
+    if backend == "nccl" and hasattr(c10d, "_dump_nccl_trace"):
+        return c10d._dump_nccl_trace
+    return getattr(c10d, "_dump_fr_trace", None)

@@ -1,6 +1,6 @@
 """Hang doctor: when a rank gets stuck, every rank says where it is, the odd rank is named, and the job ends.
 
-Every rank runs a watchdog thread (callbacks/hang_watchdog.py). The training loop marks progress at each loop event;
+Every rank runs a watchdog thread (diagnostics/hang/watchdog.py). The training loop marks progress at each loop event;
 when a rank has made none for ``stall_timeout_s`` its watchdog writes
 
 - ``<run dir>/hang/rank<R>.txt``: the Python stacks of all its threads,
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import pickle
 import signal
 import threading
@@ -28,21 +27,15 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from lit_template.callbacks.hang_watchdog import (
-    ABORT_EXIT_CODE,
-    Watchdog,
-    WatchdogConfig,
-    lost_peer,
-    lost_peer_sentence,
-    silent_ranks,
-)
-from lit_template.callbacks.report import run_dir, say, write_json
+from lit_template.diagnostics.hang.heartbeat import lost_peer, lost_peer_sentence, silent_ranks
+from lit_template.diagnostics.hang.watchdog import ABORT_EXIT_CODE, Watchdog, WatchdogConfig
+from lit_template.diagnostics.report import run_dir, say, write_json
+from lit_template.distributed.env import set_default_env
 from lit_template.distributed.preemption import SignalRecorder
 from lit_template.errors import ConfigError
+from lit_template.lightning_compat import flight_recorder_dump, strategy_timeout_s
 
 ON_STALL = ("abort", "report")
-# env vars this module set (not the user): a later job of a multirun may set them again for its own run dir
-_SET_BY_US: dict[str, str] = {}
 
 
 class HangDoctor(L.Callback):
@@ -73,14 +66,14 @@ class HangDoctor(L.Callback):
         if self.flight_recorder:
             # Read when the process group is created, which is after this (callbacks are built before the Trainer,
             # whose launcher passes the environment on to the processes it starts).
-            _set_env("TORCH_FR_BUFFER_SIZE", str(flight_recorder_entries))
+            set_default_env("TORCH_FR_BUFFER_SIZE", str(flight_recorder_entries))
             if process_group_backend == "nccl":
-                _set_env("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+                set_default_env("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
                 if output_dir:
                     fr_dir = Path(output_dir) / "hang" / "flight_recorder"
                     fr_dir.mkdir(parents=True, exist_ok=True)
-                    _set_env("TORCH_FR_DUMP_TEMP_FILE", f"{fr_dir}/rank_")
-                    _set_env("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f"{fr_dir}/rank_")
+                    set_default_env("TORCH_FR_DUMP_TEMP_FILE", f"{fr_dir}/rank_")
+                    set_default_env("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", f"{fr_dir}/rank_")
 
     # -- start / stop -------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -89,7 +82,7 @@ class HangDoctor(L.Callback):
         rank = trainer.global_rank
         stall_timeout_s = self._effective_stall_timeout(trainer)
         config = WatchdogConfig(
-            rank=rank, world_size=trainer.world_size, hang_dir=hang_dir, stall_timeout_s=stall_timeout_s,
+            global_rank=rank, world_size=trainer.world_size, hang_dir=hang_dir, stall_timeout_s=stall_timeout_s,
             on_stall=self.on_stall, heartbeat_interval_s=self.heartbeat_interval_s, grace_s=self.grace_s,
             exit_code=self.exit_code,
         )
@@ -98,14 +91,13 @@ class HangDoctor(L.Callback):
         self._stop("stopped")
         self._watchdog = Watchdog(config, threading.get_ident(), step_fn=lambda: trainer.global_step)
         self._watchdog.mark("train_start")
-        self._watchdog._write_beat(self._watchdog._beat(stalled=False))
+        self._watchdog.beat()
         self._watchdog.start()
 
     def _effective_stall_timeout(self, trainer: L.Trainer) -> float:
         """The stall timeout, below the process group's own timeout: a waiting rank's collective that times out
         first ends the job with gloo's or NCCL's message, which names no rank and no line."""
-        timeout = getattr(getattr(trainer, "strategy", None), "_timeout", None)
-        pg_timeout_s = timeout.total_seconds() if hasattr(timeout, "total_seconds") else None
+        pg_timeout_s = strategy_timeout_s(trainer)
         if trainer.world_size < 2 or pg_timeout_s is None or self.stall_timeout_s < pg_timeout_s:
             return self.stall_timeout_s
         used = pg_timeout_s / 2
@@ -202,22 +194,12 @@ class HangDoctor(L.Callback):
         self._mark("save_checkpoint")
 
 
-def _set_env(key: str, value: str) -> None:
-    """Set ``key`` unless the user did: a value they exported wins."""
-    if key in os.environ and _SET_BY_US.get(key) != os.environ[key]:
-        return
-    os.environ[key] = _SET_BY_US[key] = value
-
-
 def _dump_flight_recorder(path: Path) -> str | None:
     """Write PyTorch's flight recorder of this rank's process groups (the pickle ``torchfrtrace`` reads); return one
     line on its last collective, e.g. ``#62 gloo:broadcast, 2 not completed``."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    from torch._C import _distributed_c10d as c10d
-
-    dump = c10d._dump_nccl_trace if dist.get_backend() == "nccl" and hasattr(c10d, "_dump_nccl_trace") else \
-        getattr(c10d, "_dump_fr_trace", None)
+    dump = flight_recorder_dump(dist.get_backend())
     if dump is None:
         say("hang doctor: this PyTorch has no flight recorder dump; only the stacks are written")
         return None

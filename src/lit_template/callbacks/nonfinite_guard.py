@@ -22,7 +22,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lit_template.callbacks.report import append_jsonl, reports_dir, say
+from lit_template.diagnostics.report import append_jsonl, reports_dir, say
 from lit_template.errors import ConfigError
 
 CHOICES = ("stop", "skip")
@@ -62,7 +62,6 @@ class NonFiniteGuard(L.Callback):
                 f"callbacks.nonfinite_guard.on_nonfinite={on_nonfinite!r}: choose one of {', '.join(CHOICES)}"
             )
         self.on_nonfinite, self.check_grads = on_nonfinite, check_grads
-        self.skipped_steps: list[int] = []
         self._reset()
 
     def _reset(self) -> None:
@@ -113,7 +112,6 @@ class NonFiniteGuard(L.Callback):
         self._report(trainer, event)
         if self.on_nonfinite == "stop":
             raise NonFiniteError(event.sentence())
-        self.skipped_steps.append(trainer.global_step)
         optimizer.zero_grad(set_to_none=True)
         for param in pl_module.parameters():
             param.grad = None
@@ -122,12 +120,6 @@ class NonFiniteGuard(L.Callback):
     def _report(self, trainer: L.Trainer, event: NonFiniteEvent) -> None:
         append_jsonl(reports_dir(trainer) / "nonfinite.jsonl", _json_safe(asdict(event)))
         say(event.sentence(), logging.ERROR if event.action == "stop" else logging.WARNING)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"skipped_steps": list(self.skipped_steps)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.skipped_steps = list(state_dict.get("skipped_steps", []))
 
 
 def _json_safe(record: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 import lightning as L
 
 from lit_template.callbacks.last_checkpoint import LastCheckpoint
-from lit_template.callbacks.report import reports_dir, say, write_json
+from lit_template.diagnostics.report import reports_dir, say, write_json
 from lit_template.distributed.preemption import (
     Preempted,
     SignalRecorder,

@@ -26,23 +26,21 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lit_template.callbacks.profiling_stats import (
-    CpuClock,
-    CudaClock,
+from lit_template.diagnostics.profiling.render import plot_profile, render_markdown
+from lit_template.diagnostics.profiling.stats import (
     GlobalWindow,
     MemoryStats,
     RankWindow,
-    StepTimer,
     WindowStats,
     batch_counts,
     find_straggler,
     mfu_pct,
     percentile,
-    plot_profile,
-    render_markdown,
 )
-from lit_template.callbacks.report import append_jsonl, reports_dir, run_dir, say, write_json
+from lit_template.diagnostics.profiling.timer import CpuClock, CudaClock, StepTimer
+from lit_template.diagnostics.report import append_jsonl, reports_dir, run_dir, say, write_json
 from lit_template.errors import ConfigError
+from lit_template.lightning_compat import compute_dtype, hook_fetch
 
 OPTION = "callbacks.profiling"
 
@@ -140,7 +138,7 @@ class ProfilingCallback(L.Callback):
         self._ooms_seen = 0.0
         self._trainer: L.Trainer | None = None
         self._hooks: list[Any] = []
-        self._fetch_hooked: Any = None
+        self._unhook_fetch_fn: Callable[[], None] | None = None
         self._process: Any = None
 
     # -- setup --------------------------------------------------------------------------------------------------------
@@ -169,12 +167,7 @@ class ProfilingCallback(L.Callback):
             return None
         from lightning.fabric.utilities.throughput import get_available_flops
 
-        try:
-            from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
-
-            dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
-        except Exception:  # a private helper of Lightning; without it, assume full precision
-            dtype = torch.float32
+        dtype = compute_dtype(trainer)
         peak = get_available_flops(self._device, dtype)
         if peak is None:
             self._say_rank_zero(f"profiling: MFU is not reported: Lightning has no peak FLOP/s for "
@@ -282,32 +275,15 @@ class ProfilingCallback(L.Callback):
                            model.module.register_forward_pre_hook(lambda *_: self._timer.forward_synced())]
 
     def _hook_fetch(self, trainer: L.Trainer) -> None:
-        """Time the training loop's ``next()`` on its dataloader: that, not the whole gap between two batches (other
-        callbacks' hooks, logging), is the data wait. Lightning's training epoch loop brackets each fetch with its
-        ``_on_before_fetch`` / ``_on_after_fetch``; wrap those two on this fit's loop. A Lightning without them
-        leaves the timer with no fetch marks, and it counts the whole gap as data wait (StepTimer._resolve)."""
-        loop = trainer.fit_loop.epoch_loop
-        if not (callable(getattr(loop, "_on_before_fetch", None)) and callable(getattr(loop, "_on_after_fetch", None))):
-            return
-        timer, before, after = self._timer, loop._on_before_fetch, loop._on_after_fetch
-
-        def on_before_fetch() -> None:
-            timer.fetch_start()
-            before()
-
-        def on_after_fetch() -> None:
-            after()
-            timer.fetch_end()
-
-        loop._on_before_fetch, loop._on_after_fetch = on_before_fetch, on_after_fetch  # type: ignore[method-assign]
-        self._fetch_hooked = loop
+        """Time the training loop's fetch of each batch: that, not the whole gap between two batches (other
+        callbacks' hooks, logging), is the data wait (DATA_WAIT). Without the loop's fetch marks the timer counts
+        the whole gap as data wait (StepTimer._resolve)."""
+        self._unhook_fetch_fn = hook_fetch(trainer, self._timer.fetch_start, self._timer.fetch_end)
 
     def _unhook_fetch(self) -> None:
-        if self._fetch_hooked is not None:
-            # drop the instance attributes: the loop's own methods show through again
-            for name in ("_on_before_fetch", "_on_after_fetch"):
-                self._fetch_hooked.__dict__.pop(name, None)
-            self._fetch_hooked = None
+        if self._unhook_fetch_fn is not None:
+            self._unhook_fetch_fn()
+            self._unhook_fetch_fn = None
 
     def _unhook_forward(self) -> None:
         for handle in self._hooks:

@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lit_template.callbacks import checksum as cs
-from lit_template.callbacks.report import append_jsonl, reports_dir, say, write_json
+from lit_template.diagnostics import checksum as cs
+from lit_template.diagnostics.report import append_jsonl, reports_dir, say, write_json
 from lit_template.errors import ConfigError
+from lit_template.lightning_compat import model_averager
 
 MODES = ("exact", "tolerance")
 ON_MISMATCH = ("warn", "raise", "stop")
@@ -181,7 +182,7 @@ class SyncCheck(L.Callback):
     # -- hooks ----------------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # built in strategy.setup, after the callbacks' setup
-        self._averager = getattr(trainer.strategy, "_model_averager", None) if self.active else None
+        self._averager = model_averager(trainer.strategy) if self.active else None
         if self._averager is not None:
             rank_zero_only(say)(
                 f"sync check: local SGD (parameters averaged every {self._averager.period} steps after step "

@@ -8,6 +8,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lit_template.errors import ConfigError
+from lit_template.utils.parsing import as_int
 
 GPU_ACCELERATORS = {"gpu", "cuda"}
 # what this template's trainers run on (Lightning also knows tpu/mps/hpu, which need packages or hardware it lacks)
@@ -18,17 +19,6 @@ CPU_HINT = "use trainer=cpu (one process) or trainer=ddp_cpu (DDP over gloo on C
 def _strategy_backend(strategy: Any) -> str | None:
     if isinstance(strategy, (DictConfig, dict)):
         return strategy.get("process_group_backend")
-    return None
-
-
-def as_int(value: Any) -> int | None:
-    """A whole number given as an int or a string of digits (``"-1"`` too); None for anything else, bools included."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.lstrip("-").isdigit():
-        return int(value)
     return None
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig
 
-from lit_template.distributed.checks import as_int
 from lit_template.errors import ConfigError
+from lit_template.lightning_compat import model_averaging_period, register_ddp_comm_hook
+from lit_template.utils.parsing import as_int
 
 DDP_TRAINERS = "trainer=ddp_cpu (CPU, gloo), trainer=ddp or trainer=ddp_multinode"
 # keys a comm config (or a documented comm override) may set; a strategy with only these came from no DDP trainer
@@ -48,13 +48,12 @@ class CommDDPStrategy(DDPStrategy):
         if self.root_device.type == "cuda":
             return super()._register_ddp_hooks()
         # gloo supports comm hooks (fp16/bf16 all-reduce included); Lightning's CUDA-only guard predates that
-        _register_ddp_comm_hook(model=self.model, ddp_comm_state=self._ddp_comm_state,
-                                ddp_comm_hook=self._ddp_comm_hook, ddp_comm_wrapper=self._ddp_comm_wrapper)
+        register_ddp_comm_hook(self)
         return None
 
     @property
     def model_averaging_period(self) -> int | None:
-        return self._model_averaging_period
+        return model_averaging_period(self)
 
 
 def _whole_number(name: str, path: str, value: Any, minimum: int, why: str) -> None:

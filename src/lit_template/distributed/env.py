@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 from omegaconf import DictConfig
 
 from lit_template.errors import ConfigError
+from lit_template.utils.parsing import as_int
 
 LAUNCH_HINT = "start each node with scripts/launch_node.sh (torchrun) or scripts/slurm.sbatch (srun)"
 
@@ -22,7 +23,8 @@ def under_slurm(env: Mapping[str, str] = os.environ) -> bool:
     return "SLURM_NTASKS" in env and "SLURM_PROCID" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
 
 
-def devices_per_node(trainer_cfg: DictConfig) -> int:
+def trainer_devices_per_node(trainer_cfg: DictConfig) -> int:
+    """Processes per node the trainer config asks for (``devices``: a count, a list, or all GPUs)."""
     devices = trainer_cfg.get("devices", "auto")
     accelerator = str(trainer_cfg.get("accelerator", "auto")).lower()
     if isinstance(devices, int) and devices > 0:
@@ -35,10 +37,10 @@ def devices_per_node(trainer_cfg: DictConfig) -> int:
 
 
 def _int_var(env: Mapping[str, str], name: str) -> int:
-    value = env.get(name, "")
-    if not value.lstrip("-").isdigit():
-        raise ConfigError(f"{name}={value!r} must be a whole number ({LAUNCH_HINT})")
-    return int(value)
+    number = as_int(env.get(name, ""))
+    if number is None:
+        raise ConfigError(f"{name}={env.get(name, '')!r} must be a whole number ({LAUNCH_HINT})")
+    return number
 
 
 def check_launch_env(trainer_cfg: DictConfig, env: Mapping[str, str] = os.environ) -> None:
@@ -46,7 +48,7 @@ def check_launch_env(trainer_cfg: DictConfig, env: Mapping[str, str] = os.enviro
     num_nodes = int(trainer_cfg.get("num_nodes", 1))
     if num_nodes <= 1:
         return
-    per_node = devices_per_node(trainer_cfg)
+    per_node = trainer_devices_per_node(trainer_cfg)
     expected_world = num_nodes * per_node
     shape = f"trainer.num_nodes={num_nodes} x trainer.devices={per_node} = {expected_world} processes"
 
@@ -83,23 +85,25 @@ def check_launch_env(trainer_cfg: DictConfig, env: Mapping[str, str] = os.enviro
             )
 
 
-def apply_env(settings: DictConfig | None) -> dict[str, str]:
-    """Export the ``distributed.env`` variables (NCCL settings) unless the user already set them.
+# what set_default_env exported (not the user): a later job of a multirun may set these again
+_SET_BY_US: dict[str, str] = {}
 
-    Runs before the Trainer exists, so the process group and Lightning's per-device children see them.
+
+def set_default_env(name: str, value: str) -> bool:
+    """Export ``name=value`` unless the user set ``name`` (a value they exported wins); True if it was set.
+
+    The one way the template exports environment variables: before the process group exists, so it and
+    Lightning's per-device children see them.
     """
-    applied: dict[str, str] = {}
+    if name in os.environ and _SET_BY_US.get(name) != os.environ[name]:
+        return False
+    os.environ[name] = _SET_BY_US[name] = str(value)
+    return True
+
+
+def apply_env(settings: DictConfig | None) -> dict[str, str]:
+    """Export the ``distributed.env`` variables (NCCL settings) unless the user already set them."""
     if not settings:
-        return applied
-    for name, value in (settings.get("env") or {}).items():
-        if value is None or name in os.environ:
-            continue
-        os.environ[name] = str(value)
-        applied[name] = str(value)
-    return applied
-
-
-def describe(env: Mapping[str, Any] = os.environ) -> str:
-    keys = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-            "SLURM_NTASKS", "SLURM_PROCID", "LT_RUN_ID")
-    return " ".join(f"{k}={env[k]}" for k in keys if k in env)
+        return {}
+    return {name: str(value) for name, value in (settings.get("env") or {}).items()
+            if value is not None and set_default_env(name, str(value))}

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import re
 import time
 
 from omegaconf import OmegaConf
+
+from lit_template.utils.parsing import as_int, launcher_count
 
 _START = time.strftime("%Y-%m-%d_%H-%M-%S")
 
@@ -23,8 +24,8 @@ def run_id() -> str:
 def launched_rank() -> int:
     """The global rank the launcher gave this process (0 when started alone)."""
     for key in ("RANK", "SLURM_PROCID"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
+        if (rank := as_int(os.environ.get(key))) is not None and rank >= 0:
+            return rank
     return 0
 
 
@@ -33,28 +34,22 @@ def rank_zero_value(value: str) -> str | None:
     return value if launched_rank() == 0 else None
 
 
-def _leading_int(value: str | None) -> int | None:
-    """``"8"`` -> 8; SLURM's ``"8(x2)"`` -> 8; anything else (``"0"`` included) -> None."""
-    match = re.match(r"\s*(\d+)", value or "")
-    return int(match.group(1)) or None if match else None
-
-
 def num_nodes(default: int) -> int:
     """Nodes of this job: NUM_NODES (the launch scripts), else what SLURM or torchrun set, else ``default``."""
     env = os.environ
     for value in (env.get("NUM_NODES"), env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")):
-        if nodes := _leading_int(value):
+        if nodes := launcher_count(value):
             return nodes
-    world, local = _leading_int(env.get("WORLD_SIZE")), _leading_int(env.get("LOCAL_WORLD_SIZE"))
+    world, local = launcher_count(env.get("WORLD_SIZE")), launcher_count(env.get("LOCAL_WORLD_SIZE"))
     if "TORCHELASTIC_RUN_ID" in env and world and local:
         return max(world // local, 1)
     return default
 
 
-def devices_per_node(default: int) -> int:
+def launched_devices_per_node(default: int) -> int:
     """Processes (GPUs) per node: GPUS_PER_NODE, else SLURM's tasks per node, else torchrun's LOCAL_WORLD_SIZE."""
     for name in ("GPUS_PER_NODE", "SLURM_NTASKS_PER_NODE", "LOCAL_WORLD_SIZE"):
-        if devices := _leading_int(os.environ.get(name)):
+        if devices := launcher_count(os.environ.get(name)):
             return devices
     return default
 
@@ -70,7 +65,7 @@ def register() -> None:
         OmegaConf.register_new_resolver("lt.run_id", run_id)
         OmegaConf.register_new_resolver("lt.rank_zero", rank_zero_value)
         OmegaConf.register_new_resolver("lt.num_nodes", num_nodes)
-        OmegaConf.register_new_resolver("lt.devices_per_node", devices_per_node)
+        OmegaConf.register_new_resolver("lt.devices_per_node", launched_devices_per_node)
         OmegaConf.register_new_resolver("lt.gpus_per_node", gpus_per_node)
 
 

@@ -4,12 +4,12 @@ the trainer and pins the sweep's run id for the processes that will run the jobs
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from lit_template.diagnostics.report import say_error
 from lit_template.utils.resolvers import run_id
 
 
@@ -33,7 +33,7 @@ class SweepStart(Callback):
         problem = slurm_shape_problem(config) if "submitit" in launcher.lower() else None
         if problem:
             # Hydra prints any exception raised here with its own traceback: a user error is one line instead
-            print(f"error: {problem}", file=sys.stderr, flush=True)
+            say_error(problem)
             raise SystemExit(2)
         # Jobs resolve hydra.sweep.dir (${lt.run_id:}) again in the process that runs them: a joblib worker or a
         # SLURM job has a start time of its own. The id this process resolved goes to them in the environment.

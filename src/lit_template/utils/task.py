@@ -7,8 +7,8 @@ import functools
 import json
 import math
 import os
+import re
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -19,10 +19,11 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig
 
-from lit_template.callbacks.report import write_json
+from lit_template.diagnostics.report import say_error, write_json
 from lit_template.distributed.launch import forget_job_rendezvous, in_multirun
 from lit_template.distributed.preemption import Preempted
 from lit_template.errors import ConfigError
+from lit_template.lightning_compat import wrap_process_observer
 from lit_template.utils.pylogger import RankedLogger
 
 log = RankedLogger(__name__)
@@ -71,7 +72,7 @@ def _say_rank_failed(error: BaseException) -> None:
     rank, step = _failure_origin(error)
     where = f" at step {step}" if step is not None else ""
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    print(f"error: rank {rank} failed{where}: {type(error).__name__}: {first_line}", file=sys.stderr, flush=True)
+    say_error(f"rank {rank} failed{where}: {type(error).__name__}: {first_line}")
 
 
 class ChildRankWatch(threading.Thread):
@@ -121,8 +122,7 @@ class ChildRankWatch(threading.Thread):
 
     def report(self, rank: int, pid: int, code: int) -> None:
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        print(f"error: rank {rank} (pid {pid}) {how}; every other rank of the job is being stopped",
-              file=sys.stderr, flush=True)
+        say_error(f"rank {rank} (pid {pid}) {how}; every other rank of the job is being stopped")
         if self.run_dir is not None:
             try:
                 write_json(self.run_dir / "reports" / "rank_failure.json",
@@ -140,19 +140,13 @@ def _install_child_rank_watch(run_dir: Path | None) -> None:
     """Start a ChildRankWatch next to Lightning's observer whenever its subprocess launcher starts children. Lightning
     has no hook there: wrap the one function its launcher calls with the children (module attribute, looked up at
     call time)."""
-    from lightning.pytorch.strategies.launchers import subprocess_script as launcher
-
     _WATCH_RUN_DIR[0] = run_dir
-    original = launcher._launch_process_observer
-    if getattr(original, "_lit_template_watch", False):
-        return
 
-    def launch_observers(child_processes: list) -> None:
+    def launch_observers(child_processes: list, original: Callable[[list], None]) -> None:
         ChildRankWatch(child_processes, _WATCH_RUN_DIR[0]).start()
         original(child_processes)
 
-    launch_observers._lit_template_watch = True  # type: ignore[attr-defined]
-    launcher._launch_process_observer = launch_observers
+    wrap_process_observer(launch_observers)
 
 
 def _teardown_distributed() -> None:
@@ -164,11 +158,19 @@ def _teardown_distributed() -> None:
 
 def _user_error(error: BaseException) -> ConfigError | None:
     """The ConfigError behind ``error``: itself, or the cause Hydra wrapped when a constructor it instantiated
-    (a datamodule, a callback) raised one (``InstantiationException: Error in call to target ...``)."""
-    seen = 0
+    (a datamodule, a callback) raised one (``InstantiationException: Error in call to target ...``). Lightning's own
+    configuration errors (``MisconfigurationException``: ``trainer.max_epochs=-5``, a monitor that is never logged)
+    are user errors too; the Hydra config key that was being instantiated (``full_key: trainer``) names the group."""
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    outer, seen = error, 0
     while error is not None and seen < 8:
         if isinstance(error, ConfigError):
             return error
+        if isinstance(error, MisconfigurationException):
+            key = re.search(r"full_key: ([\w.]+)", str(outer))
+            where = f"{key.group(1)} (conf/{key.group(1).split('.')[0]}/)" if key else "Lightning"
+            return ConfigError(f"{where}: {error}")
         error, seen = error.__cause__ or error.__context__, seen + 1
     return None
 
@@ -225,7 +227,7 @@ def task_wrapper(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], An
                     log.error(f"job failed: {user_error}")
                     _write_failure(cfg, user_error)
                     return _failed_job(f"job failed: {user_error}")
-                print(f"error: {user_error}", file=sys.stderr, flush=True)
+                say_error(str(user_error))
                 raise SystemExit(2) from None
             if not in_multirun():
                 _say_rank_failed(err)

@@ -3,7 +3,7 @@
 Used by the tests through ``python train.py +callbacks.fault=...`` and useful to anyone who wants to see what the
 template reports before it happens for real. Never on by default. Example:
 
-    python train.py trainer=ddp_cpu +callbacks.fault._target_=lit_template.callbacks.fault_injection.FaultInjection \
+    python train.py trainer=ddp_cpu +callbacks.fault._target_=lit_template.testing.faults.FaultInjection \
         +callbacks.fault.action=perturb_param +callbacks.fault.rank=1 +callbacks.fault.step=3
 
 ``step`` is ``trainer.global_step`` (optimizer steps done) when the hook fires.

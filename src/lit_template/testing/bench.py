@@ -46,7 +46,7 @@ class StepClock:
 
 
 class StepTimer(L.Callback):
-    """``+callbacks.bench._target_=lit_template.utils.bench.StepTimer +callbacks.bench.out=FILE`` (rank zero writes)."""
+    """``+callbacks.bench._target_=lit_template.testing.bench.StepTimer +callbacks.bench.out=FILE`` (rank zero writes)."""
 
     def __init__(self, out: str) -> None:
         self.out = out

@@ -1,6 +1,9 @@
-"""The one frame every callback report uses: a JSON file in the run dir and one plain sentence on the console.
+"""The one frame every finding uses: a JSON file in the run dir and one plain sentence on the console.
 
 A record is ``{"kind", "global_step", "global_rank" or "ranks", ...}``. Reports go to ``<run dir>/reports/``.
+Two ways to speak, and only these: ``say`` for a finding (through logging, so it is also in the run's log file), and
+``say_error`` for the one ``error: ...`` line a failed run ends with (plain stderr: logging may not be set up yet,
+or may be gone).
 """
 
 from __future__ import annotations
@@ -54,3 +57,8 @@ def say(message: str, level: int = logging.WARNING) -> None:
         log.log(level, message)
     else:
         print(message, file=sys.stderr, flush=True)
+
+
+def say_error(message: str) -> None:
+    """The one line a failed run ends with: ``error: <message>`` on stderr, flushed."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
