@@ -39,6 +39,22 @@ ON_STALL = ("abort", "report")
 
 
 class HangDoctor(L.Callback):
+    """When a rank makes no progress for ``stall_timeout_s``, every rank dumps its stacks, one rank names the stuck
+    rank and where it is, and (``on_stall=abort``) the job ends; a rank whose collective loses its peer names it.
+
+    Args:
+        stall_timeout_s: seconds without a progress mark before a rank counts as stalled; kept below the process
+            group's timeout (``trainer.strategy.timeout``), else that would end the hang first without a name.
+        on_stall: ``abort`` (report, then every rank exits with ``exit_code``) or ``report`` (report and wait).
+        heartbeat_interval_s: how often each rank rewrites its heartbeat file while healthy.
+        grace_s: how long a stalled rank waits for the others' heartbeats and for the summary.
+        exit_code: what every rank exits with on abort.
+        flight_recorder: record the last collectives of every process group (PyTorch's flight recorder).
+        flight_recorder_entries: how many.
+        process_group_backend: the trainer's backend (for the NCCL dump variables).
+        output_dir: the run dir (where the NCCL flight recorder dumps on its own timeout).
+    """
+
     def __init__(
         self,
         stall_timeout_s: float = 300.0,

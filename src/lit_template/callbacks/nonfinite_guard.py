@@ -34,6 +34,8 @@ class NonFiniteError(RuntimeError):
 
 @dataclass
 class NonFiniteEvent:
+    """One non-finite loss or gradient: a record of ``reports/nonfinite.jsonl``."""
+
     kind: str
     global_step: int
     ranks: list[int]
@@ -56,6 +58,14 @@ class NonFiniteEvent:
 
 
 class NonFiniteGuard(L.Callback):
+    """Stops, or skips the step, when a loss or gradient is NaN/Inf on any rank; every rank decides together.
+
+    Args:
+        on_nonfinite: ``stop`` (every rank raises ``NonFiniteError`` naming the rank and step) or ``skip`` (every
+            rank drops its gradients, so the optimizer step changes nothing, and the run goes on).
+        check_grads: also check the gradients (after DDP's all-reduce), not only the loss.
+    """
+
     def __init__(self, on_nonfinite: str = "stop", check_grads: bool = True) -> None:
         if on_nonfinite not in CHOICES:
             raise ConfigError(

@@ -80,6 +80,22 @@ def _options(cls: type, name: str, given: Mapping[str, Any] | None) -> Any:
 
 
 class ProfilingCallback(L.Callback):
+    """Step time, data wait, throughput, MFU, memory and the straggler rank, per optimizer step, on every rank.
+
+    Rank zero logs ``perf/*`` every window, names the slowest rank (``reports/stragglers.jsonl``) and writes
+    ``reports/profile.{json,md,png}`` at the end of fit (see docs/profiling.md).
+
+    Args:
+        log_every_n_steps: steps per window (percentiles, throughput, the straggler check); None: the trainer's.
+        peak_flops: peak FLOP/s of one device for MFU; None: Lightning's table on a GPU, no MFU on the CPU.
+        mfu: count the FLOPs of the first batch (that step is then not timed) and report MFU where a peak is known.
+        straggler_warn_pct: say on the console when the slowest rank lags by this share of a step.
+        plot: draw ``reports/profile.png``.
+        trace: ``TraceConfig`` options: a torch.profiler trace per global rank (off by default).
+        memory_snapshot: ``MemorySnapshotConfig`` options: the CUDA allocator history (GPU only, off by default).
+        clock: the host clock (tests patch it).
+    """
+
     def __init__(
         self,
         log_every_n_steps: int | None = None,

@@ -51,6 +51,8 @@ class ReplicaDivergenceError(RuntimeError):
 
 @dataclass
 class TensorFinding:
+    """One tensor that differs across replicas: which ranks disagree with the majority, and by how much."""
+
     name: str
     shape: list[int]
     dtype: str
@@ -63,6 +65,8 @@ class TensorFinding:
 
 @dataclass
 class Finding:
+    """One check that found replicas out of sync: a record of ``reports/sync_check.jsonl``."""
+
     kind: str
     global_step: int
     where: str
@@ -94,7 +98,47 @@ class TensorGroup:
     exact: bool = False  # flags are compared exactly whatever the mode
 
 
+@dataclass(frozen=True)
+class _Deviation:
+    """A tensor whose checksum (or norm) differs across ranks, from the gathered values."""
+
+    index: int  # in its TensorGroup
+    reference_rank: int  # a rank of the majority
+    ranks: list[int]  # the ranks that differ from it
+    values: list  # the gathered value of every rank
+
+
+@dataclass(frozen=True)
+class _ToMeasure:
+    """A reported tensor whose max |difference| to the reference rank's copy is measured (only on a mismatch)."""
+
+    group: TensorGroup
+    index: int
+    reference_rank: int
+    finding: TensorFinding  # filled in with the measured differences
+
+
 class SyncCheck(L.Callback):
+    """Checks that data-parallel replicas hold the same gradients, parameters and buffers, and names what drifted.
+
+    Does nothing on one process. Each finding is one sentence on the console naming the global rank(s), the step and
+    the tensor, and a record in ``reports/sync_check.jsonl`` (see docs/sync_check.md).
+
+    Args:
+        every_n_steps: check every N optimizer steps; 0 turns the periodic checks off (no collectives on off-steps).
+        grads: check gradients after the all-reduce, AMP unscaling and accumulation (``on_before_optimizer_step``).
+        params: check parameters after the optimizer step.
+        buffers: check buffers (BatchNorm running stats) as the step's first forward saw them (a warning only).
+        unused_params: name trainable parameters that got no gradient from some rank's backward (a warning only).
+        at_fit_start: also check parameters and buffers when fit starts.
+        at_fit_end: also check parameters when fit ends.
+        mode: ``exact`` (bit-for-bit checksums) or ``tolerance`` (relative difference of per-tensor norms <= rtol).
+        rtol: the tolerance of ``mode=tolerance``.
+        on_mismatch: ``warn`` (report only), ``raise`` (an error on every rank) or ``stop`` (every rank stops cleanly
+            after this step).
+        max_reported_tensors: tensors per check whose max |difference| is measured (only on a mismatch).
+    """
+
     def __init__(
         self,
         every_n_steps: int = 100,
@@ -287,23 +331,24 @@ class SyncCheck(L.Callback):
         self._collectives = 0
         step = trainer.global_step
         findings: list[Finding] = []
-        measured: list[tuple[TensorGroup, int, int, int, int]] = []
+        measured: list[_ToMeasure] = []
         for group, per_tensor in zip(groups, self._find_deviating(groups)):
             tensors = []
-            for index, reference_rank, ranks, column in per_tensor:
-                like = group.like[index]
+            for dev in per_tensor:
+                like, ranks = group.like[dev.index], dev.ranks
                 if group.kind == "no_local_grad":
                     # name the ranks without a gradient, whichever side the majority is on
-                    ranks = [r for r, flag in enumerate(column) if flag == 0]
-                elif len(measured) < self.max_reported_tensors:
-                    measured.append((group, index, reference_rank, len(tensors), len(findings)))
-                tensors.append(TensorFinding(group.names[index], list(like.shape),
-                                             str(like.dtype).removeprefix("torch."), ranks, reference_rank))
+                    ranks = [r for r, flag in enumerate(dev.values) if flag == 0]
+                tensor = TensorFinding(group.names[dev.index], list(like.shape),
+                                       str(like.dtype).removeprefix("torch."), ranks, dev.reference_rank)
+                if group.kind != "no_local_grad" and len(measured) < self.max_reported_tensors:
+                    measured.append(_ToMeasure(group, dev.index, dev.reference_rank, tensor))
+                tensors.append(tensor)
             if tensors:
                 findings.append(Finding(group.kind, step, where, sorted({r for t in tensors for r in t.ranks}),
                                         tensors, len(tensors)))
         if measured:
-            self._measure_differences(measured, findings)
+            self._measure_differences(measured)
         self.checks += 1
         for group in groups:
             self.tensors_checked[group.kind] += len(group.names)
@@ -315,9 +360,9 @@ class SyncCheck(L.Callback):
         self._step_ms += (time.perf_counter() - start) * 1000
         self._report(trainer, findings)
 
-    def _find_deviating(self, groups: list[TensorGroup]) -> list[list[tuple[int, int, list[int], list]]]:
-        """Per group: ``(tensor index, reference rank, deviating ranks, value per rank)`` for each tensor that differs."""
-        result: list[list[tuple[int, int, list[int], list]]] = [[] for _ in groups]
+    def _find_deviating(self, groups: list[TensorGroup]) -> list[list[_Deviation]]:
+        """Per group, each tensor that differs across ranks."""
+        result: list[list[_Deviation]] = [[] for _ in groups]
         if self.mode == "exact":
             # One collective for all kinds checked here: one combined checksum per kind and rank.
             gathered = self._all_gather(torch.stack([cs.combine(g.values) for g in groups]))
@@ -331,7 +376,7 @@ class SyncCheck(L.Callback):
                 for j in range(len(groups[i].names)):
                     column = [row[offset + j] for row in per_tensor]
                     if len(set(column)) > 1:
-                        result[i].append((j, *cs.majority(column), column))
+                        result[i].append(_Deviation(j, *cs.majority(column), column))
                 offset += len(groups[i].names)
             return result
         # Tolerance mode: norms do not add up to one exact value, so the one gather carries the per-tensor norms.
@@ -342,24 +387,23 @@ class SyncCheck(L.Callback):
                 column = [row[offset + j] for row in gathered]
                 reference, ranks = cs.majority(column) if group.exact else cs.majority_within(column, self.rtol)
                 if ranks:
-                    result[i].append((j, reference, ranks, column))
+                    result[i].append(_Deviation(j, reference, ranks, column))
             offset += len(group.names)
         return result
 
-    def _measure_differences(self, measured: list[tuple[TensorGroup, int, int, int, int]],
-                             findings: list[Finding]) -> None:
+    def _measure_differences(self, measured: list[_ToMeasure]) -> None:
         """Max |value - reference| on every rank for the reported tensors: one broadcast each, then one all_gather."""
         diffs = torch.zeros(len(measured), dtype=torch.float64, device=self._comm_device)
-        for k, (group, index, reference_rank, _, _) in enumerate(measured):
-            local = group.tensors[index]
-            local = torch.zeros_like(group.like[index]) if local is None else local.detach()  # no grad: zeros
+        for k, m in enumerate(measured):
+            local = m.group.tensors[m.index]
+            local = torch.zeros_like(m.group.like[m.index]) if local is None else local.detach()  # no grad: zeros
             reference = local.clone()
-            self._broadcast(reference, reference_rank)
+            self._broadcast(reference, m.reference_rank)
             if local.numel():
                 diffs[k] = (local.to(torch.float64) - reference.to(torch.float64)).abs().max().to(diffs.device)
         by_rank = self._all_gather(diffs).tolist()
-        for k, (_, _, _, t, f) in enumerate(measured):
-            tensor_finding = findings[f].tensors[t]
+        for k, m in enumerate(measured):
+            tensor_finding = m.finding
             tensor_finding.max_abs_diff_by_rank = {r: by_rank[r][k] for r in tensor_finding.ranks}
             tensor_finding.max_abs_diff = max(tensor_finding.max_abs_diff_by_rank.values(), default=0.0)
 
