@@ -21,7 +21,8 @@ from pathlib import Path
 import hydra
 import lightning as L
 import torch
-from omegaconf import OmegaConf
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -30,7 +31,7 @@ from lit_template.callbacks.hang_doctor import HangDoctor  # noqa: E402
 from lit_template.data import DigitsDataModule  # noqa: E402
 
 
-class StepTimer(L.Callback):
+class BatchEndTimes(L.Callback):
     """Wall time between consecutive train batch ends, first steps (warm-up) dropped."""
 
     def __init__(self, warmup: int = 20) -> None:
@@ -43,20 +44,38 @@ class StepTimer(L.Callback):
         self._last = now
 
 
+def default_model_config() -> DictConfig:
+    """The default model's config as train.py composes it (model/optimizer and model/scheduler included), with the
+    digits' shape, so that only the model config is read."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        model = compose(config_name="train", overrides=["model=mlp"]).model
+    return OmegaConf.create(
+        {"data": {"num_classes": 10, "input_shape": [1, 8, 8]}, "model": OmegaConf.to_container(model)}
+    )
+
+
 def median_step_ms(steps: int, extra: str, root: str) -> float:
     # the default model's config; the data's shape is fixed here so that only the model config is read
-    cfg = OmegaConf.create({"data": {"num_classes": 10, "input_shape": [1, 8, 8]},
-                            "model": OmegaConf.load(ROOT / "conf/model/mlp.yaml")})
+    cfg = default_model_config()
     cfg.model.scheduler = None  # ReduceLROnPlateau needs validation, which would only add noise here
     datamodule = DigitsDataModule(batch_size=64, num_workers=0)
     model = hydra.utils.instantiate(cfg.model)
-    timer = StepTimer()
+    timer = BatchEndTimes()
     # "empty": a callback that does nothing, to tell Lightning's cost of calling one more callback's hooks apart
     extras = {"off": [], "empty": [L.Callback()], "on": [HangDoctor(stall_timeout_s=300, flight_recorder=False)]}
     callbacks = [timer] + extras[extra]
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, limit_val_batches=0, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=callbacks, default_root_dir=root)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=root,
+    )
     trainer.fit(model, datamodule=datamodule)
     return statistics.median(timer.times_ms)
 
@@ -64,8 +83,9 @@ def median_step_ms(steps: int, extra: str, root: str) -> float:
 def mark_cost_us(n: int = 200_000) -> float:
     """The marks of one training step (batch start, backward, optimizer step, batch end) with the watchdog armed."""
     doctor = HangDoctor(stall_timeout_s=300, flight_recorder=False)
-    trainer = type("T", (), {"default_root_dir": tempfile.mkdtemp(), "global_rank": 0, "world_size": 1,
-                             "global_step": 0})()
+    trainer = type(
+        "T", (), {"default_root_dir": tempfile.mkdtemp(), "global_rank": 0, "world_size": 1, "global_step": 0}
+    )()
     doctor.on_train_start(trainer, None)
     t0 = time.perf_counter()
     for _ in range(n):
@@ -97,9 +117,11 @@ def main() -> None:
                 times[extra].append(median_step_ms(args.steps, extra, root))
     step_off, step_empty, step_on = (statistics.median(times[k]) for k in ("off", "empty", "on"))
     marks_us = mark_cost_us()
-    print(f"step_time_ms off={step_off:.3f} empty_callback={step_empty:.3f} on={step_on:.3f} "
-          f"ratio_on_off={step_on / step_off:.4f} ratio_on_empty={step_on / step_empty:.4f} "
-          f"({args.repeats} alternating runs of {args.steps} steps, median)")
+    print(
+        f"step_time_ms off={step_off:.3f} empty_callback={step_empty:.3f} on={step_on:.3f} "
+        f"ratio_on_off={step_on / step_off:.4f} ratio_on_empty={step_on / step_empty:.4f} "
+        f"({args.repeats} alternating runs of {args.steps} steps, median)"
+    )
     print(f"marks_us_per_step={marks_us:.2f} = {100 * marks_us / 1e3 / step_off:.3f}% of the step time")
 
 

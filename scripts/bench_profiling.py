@@ -60,8 +60,13 @@ class EveryOtherEpoch(L.Callback):
     """Runs the profiling callback's per-step hooks only in the epochs ``profiled`` names (its one-off hooks always),
     and adds up the time spent inside them: the direct cost, which other processes on the machine hardly blur."""
 
-    PER_STEP = ("on_train_epoch_start", "on_train_batch_start", "on_before_backward", "on_before_optimizer_step",
-                "on_train_batch_end")
+    PER_STEP = (
+        "on_train_epoch_start",
+        "on_train_batch_start",
+        "on_before_backward",
+        "on_before_optimizer_step",
+        "on_train_batch_end",
+    )
     ONE_OFF = ("setup", "on_train_start", "on_train_end", "on_fit_end")
 
     def __init__(self, inner: ProfilingCallback) -> None:
@@ -91,10 +96,18 @@ def run(cfg, trace: bool, epochs: int, out: Path) -> tuple[EpochClock, EveryOthe
     clock = EpochClock()
     toggle = EveryOtherEpoch(ProfilingCallback(trace={"enabled": True} if trace else None))
     trainer = L.Trainer(
-        accelerator=cfg.trainer.get("accelerator", "cpu"), devices=1, max_epochs=epochs, limit_val_batches=0,
-        num_sanity_val_steps=0, callbacks=[clock, toggle], default_root_dir=str(out),
-        logger=L.pytorch.loggers.CSVLogger(str(out), name="csv"), log_every_n_steps=cfg.trainer.log_every_n_steps,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator=cfg.trainer.get("accelerator", "cpu"),
+        devices=1,
+        max_epochs=epochs,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[clock, toggle],
+        default_root_dir=str(out),
+        logger=L.pytorch.loggers.CSVLogger(str(out), name="csv"),
+        log_every_n_steps=cfg.trainer.log_every_n_steps,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(hydra.utils.instantiate(cfg.model), datamodule=hydra.utils.instantiate(cfg.data))
     return clock, toggle
@@ -127,16 +140,23 @@ def main() -> None:
         clock, toggle = run(cfg, args.trace, max(args.epochs, 9), Path(tmp))
     mode = "trace" if args.trace else "light"
     blocks = (len(clock.wall_s) - 1) // 4
-    print(f"profiling callback, {mode} mode, {cfg.data._target_.rsplit('.', 1)[-1]} + "
-          f"{cfg.model.net._target_.rsplit('.', 1)[-1]}, {blocks} blocks of on/off/off/on epochs:")
+    print(
+        f"profiling callback, {mode} mode, {cfg.data._target_.rsplit('.', 1)[-1]} + "
+        f"{cfg.model.net._target_.rsplit('.', 1)[-1]}, {blocks} blocks of on/off/off/on epochs:"
+    )
     for name, per_step in (("wall time", clock.wall_s), ("CPU time of the loop's thread", clock.cpu_s)):
         off, on, ratio, q1, q3 = compare(per_step)
-        print(f"  {name}: off {off * 1e3:.3f} ms/step, on {on * 1e3:.3f} ms/step; on/off ratio {ratio:.4f} "
-              f"(overhead {100 * (ratio - 1):+.2f}%; quartiles {q1:.4f}..{q3:.4f})")
+        print(
+            f"  {name}: off {off * 1e3:.3f} ms/step, on {on * 1e3:.3f} ms/step; on/off ratio {ratio:.4f} "
+            f"(overhead {100 * (ratio - 1):+.2f}%; quartiles {q1:.4f}..{q3:.4f})"
+        )
     off = compare(clock.wall_s)[0]
     inside = toggle.inside_s / max(toggle.steps_on, 1)
-    print(f"  inside the callback's hooks: {inside * 1e6:.1f} us/step, on/off ratio {1 + inside / off:.4f} "
-          f"(overhead {100 * inside / off:+.2f}% of the off step time)")
+    print(
+        f"  inside the callback's hooks: {inside * 1e6:.1f} us/step, on/off ratio {1 + inside / off:.4f} "
+        f"(overhead {100 * inside / off:+.2f}% of the off step time)"
+    )
+
 
 if __name__ == "__main__":
     main()

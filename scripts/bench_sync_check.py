@@ -46,13 +46,15 @@ class AlternatingTimer(L.Callback):
         self._check = next(c for c in trainer.callbacks if isinstance(c, SyncCheck))
         self._default_every = self._check.every_n_steps
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if batch_idx == 0:  # an epoch boundary is not a step
             self._last = None
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         now = time.perf_counter()
         done = trainer.global_step - 1  # the step that just finished
         if self._last is not None and done >= self.block_steps:  # the first block warms up
@@ -65,9 +67,16 @@ class AlternatingTimer(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_rank == 0:
-            Path(self.out).write_text(json.dumps({"times": self.times, "check_ms": self.check_ms,
-                                                  "every_n_steps": self._default_every,
-                                                  "world_size": trainer.world_size}))
+            Path(self.out).write_text(
+                json.dumps(
+                    {
+                        "times": self.times,
+                        "check_ms": self.check_ms,
+                        "every_n_steps": self._default_every,
+                        "world_size": trainer.world_size,
+                    }
+                )
+            )
 
 
 def main() -> None:
@@ -80,28 +89,51 @@ def main() -> None:
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         every = int(compose(config_name="train").callbacks.sync_check.every_n_steps)
     if every < 1:
-        sys.exit(f"callbacks.sync_check.every_n_steps={every} in conf/callbacks/sync_check.yaml: the check is off, "
-                 "there is no overhead to measure")
+        sys.exit(
+            f"callbacks.sync_check.every_n_steps={every} in conf/callbacks/sync_check.yaml: the check is off, "
+            "there is no overhead to measure"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        cmd = [sys.executable, str(ROOT / "train.py"), "trainer=ddp_cpu", "callbacks=sync_check", "model.scheduler=null", "optimized_metric=null",
-               "test=false", f"trainer.max_steps={args.steps}", "trainer.max_epochs=1000", "trainer.min_epochs=0",
-               "trainer.limit_val_batches=0", "+trainer.enable_progress_bar=false", "data.batch_size=16",
-               f"paths.log_dir={tmp}/logs", "+callbacks.bench._target_=bench_sync_check.AlternatingTimer",
-               f"+callbacks.bench.block_steps={2 * every}", f"+callbacks.bench.out={out}", *args.overrides]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"),
-                                                                         os.environ.get("PYTHONPATH")]))}
+        cmd = [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "trainer=ddp_cpu",
+            "callbacks=sync_check",
+            "model.scheduler=null",
+            "optimized_metric=null",
+            "test=false",
+            f"trainer.max_steps={args.steps}",
+            "trainer.max_epochs=1000",
+            "trainer.min_epochs=0",
+            "trainer.limit_val_batches=0",
+            "+trainer.enable_progress_bar=false",
+            "data.batch_size=16",
+            f"paths.log_dir={tmp}/logs",
+            "+callbacks.bench._target_=bench_sync_check.AlternatingTimer",
+            f"+callbacks.bench.block_steps={2 * every}",
+            f"+callbacks.bench.out={out}",
+            *args.overrides,
+        ]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "scripts"), os.environ.get("PYTHONPATH")])),
+        }
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
         result = json.loads(out.read_text())
     on, off = result["times"]["on"], result["times"]["off"]
     mean_on_ms, mean_off_ms = statistics.fmean(on) * 1000, statistics.fmean(off) * 1000
     check_ms = statistics.fmean(result["check_ms"]) if result["check_ms"] else float("nan")
     print(f"sync check at every_n_steps={every}, {result['world_size']} ranks: {len(on)} steps on, {len(off)} off")
-    print(f"step time mean: on {mean_on_ms:.3f} ms, off {mean_off_ms:.3f} ms; "
-          f"median: on {statistics.median(on) * 1000:.3f} ms, off {statistics.median(off) * 1000:.3f} ms")
+    print(
+        f"step time mean: on {mean_on_ms:.3f} ms, off {mean_off_ms:.3f} ms; "
+        f"median: on {statistics.median(on) * 1000:.3f} ms, off {statistics.median(off) * 1000:.3f} ms"
+    )
     print(f"overhead ratio (on / off, mean step time): {mean_on_ms / mean_off_ms:.4f}")
-    print(f"check time: {check_ms:.3f} ms per check step = {check_ms / every:.4f} ms per step "
-          f"= {100 * check_ms / every / mean_off_ms:.2f}% of the step time off")
+    print(
+        f"check time: {check_ms:.3f} ms per check step = {check_ms / every:.4f} ms per step "
+        f"= {100 * check_ms / every / mean_off_ms:.2f}% of the step time off"
+    )
 
 
 if __name__ == "__main__":

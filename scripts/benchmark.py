@@ -117,8 +117,11 @@ def run_variant(name: str, cmd: list[str], out: Path, env: dict) -> dict:
 
 def summarize(result: dict, skip: int) -> tuple[float, float, float]:
     """(median step wall ms, median step CPU ms, start to first step s)"""
-    return (statistics.median(result["step_s"][skip:]) * 1e3, statistics.median(result["step_cpu_s"][skip:]) * 1e3,
-            result["first_step_after_start_s"])
+    return (
+        statistics.median(result["step_s"][skip:]) * 1e3,
+        statistics.median(result["step_cpu_s"][skip:]) * 1e3,
+        result["first_step_after_start_s"],
+    )
 
 
 def main() -> None:
@@ -153,19 +156,36 @@ def main() -> None:
     world = 2 if args.ddp else 1
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(args.threads)}
     tmp = Path(tempfile.mkdtemp(prefix="lt-bench-"))
-    common = [*data_overrides(args), f"trainer.max_steps={args.steps}", "trainer.max_epochs=1000", "test=false",
-              f"paths.log_dir={tmp / 'logs'}", "callbacks.early_stopping=null", "optimized_metric=null"]
+    common = [
+        *data_overrides(args),
+        f"trainer.max_steps={args.steps}",
+        "trainer.max_epochs=1000",
+        "test=false",
+        f"paths.log_dir={tmp / 'logs'}",
+        "callbacks.early_stopping=null",
+        "optimized_metric=null",
+    ]
     if world > 1:
         common.insert(0, "trainer=ddp_cpu")
     default_callbacks = set(compose([]).callbacks)
     own_off = [f"callbacks.{name}=null" for name in OWN_CALLBACKS if name in default_callbacks]
     sync_prof_off = [f"callbacks.{name}=null" for name in ("sync_check", "profiling") if name in default_callbacks]
-    timer = ["+callbacks.bench._target_=lit_template.testing.bench.StepTimer"]
+    timer = ["+callbacks.bench._target_=lit_template.testing.bench.BenchStepTimes"]
 
     variants = {
-        "a": ("raw PyTorch loop" + (" (DDP, torch.distributed)" if world > 1 else ""),
-              [sys.executable, __file__, "--raw-worker", f"--world={world}", f"--batch-size={args.batch_size}",
-               f"--repeat={args.repeat}", f"--steps={args.steps}", f"--threads={args.threads}"]),
+        "a": (
+            "raw PyTorch loop" + (" (DDP, torch.distributed)" if world > 1 else ""),
+            [
+                sys.executable,
+                __file__,
+                "--raw-worker",
+                f"--world={world}",
+                f"--batch-size={args.batch_size}",
+                f"--repeat={args.repeat}",
+                f"--steps={args.steps}",
+                f"--threads={args.threads}",
+            ],
+        ),
         "b": ("train.py, default callbacks", [sys.executable, "train.py", *common, *timer]),
         "c": ("train.py, sync check + profiling off", [sys.executable, "train.py", *common, *sync_prof_off, *timer]),
         "d": ("train.py, all template callbacks off", [sys.executable, "train.py", *common, *own_off, *timer]),
@@ -180,19 +200,28 @@ def main() -> None:
             cmd = cmd + ([f"--out={out}"] if key == "a" else [f"+callbacks.bench.out={out}"])
             print(f"round {round_ + 1}/{args.rounds}: ({key}) {label} ...", file=sys.stderr, flush=True)
             per_round[key].append(summarize(run_variant(label, cmd, out, env), args.skip))
-    results = {key: tuple(statistics.median(column) for column in zip(*rows)) for key, rows in per_round.items()}
+    results = {
+        key: tuple(statistics.median(column) for column in zip(*rows, strict=True)) for key, rows in per_round.items()
+    }
     # each ratio is taken within a round (the variants ran minutes apart at most), then the median over rounds
-    ratios = {key: tuple(statistics.median(row[i] / base[i] for row, base in zip(rows, per_round["a"]))
-                         for i in (0, 1)) for key, rows in per_round.items()}
+    ratios = {
+        key: tuple(
+            statistics.median(row[i] / base[i] for row, base in zip(rows, per_round["a"], strict=True)) for i in (0, 1)
+        )
+        for key, rows in per_round.items()
+    }
 
-    print(f"\nprocesses: {world}  batch size: {args.batch_size}  steps: {args.steps} (median over the last "
-          f"{args.steps - args.skip - 1})  rounds: {args.rounds}  threads per process: {args.threads}  "
-          f"cpus: {os.cpu_count()}")
+    print(
+        f"\nprocesses: {world}  batch size: {args.batch_size}  steps: {args.steps} (median over the last "
+        f"{args.steps - args.skip - 1})  rounds: {args.rounds}  threads per process: {args.threads}  "
+        f"cpus: {os.cpu_count()}"
+    )
     print(f"{'variant':<42} {'step ms':>8} {'ratio':>6} {'step cpu ms':>11} {'ratio':>6} {'start to 1st step s':>20}")
     for key, (label, _) in variants.items():
         ms, cpu, first = results[key]
-        print(f"({key}) {label:<38} {ms:>8.2f} {ratios[key][0]:>6.3f} {cpu:>11.2f} {ratios[key][1]:>6.3f} "
-              f"{first:>20.2f}")
+        print(
+            f"({key}) {label:<38} {ms:>8.2f} {ratios[key][0]:>6.3f} {cpu:>11.2f} {ratios[key][1]:>6.3f} {first:>20.2f}"
+        )
     print("(step ms: median of the rounds' medians; ratio: median over rounds of the ratio to (a) in that round)")
     for name, i in (("wall time", 0), ("CPU time", 1)):
         print(f"{name:>9}: b/a = {ratios['b'][i]:.3f}   c/a = {ratios['c'][i]:.3f}   d/a = {ratios['d'][i]:.3f}")

@@ -25,8 +25,10 @@ class SaveRankParamTrace(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         out = Path(trainer.default_root_dir) / "rank_params"
         out.mkdir(parents=True, exist_ok=True)
-        torch.save({"global_rank": trainer.global_rank, "steps": self.steps, "params": torch.stack(self.params)},
-                   out / f"rank{trainer.global_rank}.pt")
+        torch.save(
+            {"global_rank": trainer.global_rank, "steps": self.steps, "params": torch.stack(self.params)},
+            out / f"rank{trainer.global_rank}.pt",
+        )
 
 
 class RecordCommHook(L.Callback):
@@ -38,9 +40,13 @@ class RecordCommHook(L.Callback):
         hooks = getattr(trainer.strategy.model, "_comm_hooks", [])
         out = Path(trainer.default_root_dir) / "comm_hooks"
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank{trainer.global_rank}.json").write_text(json.dumps({
-            "global_rank": trainer.global_rank,
-            "hooks": [getattr(hook, "__name__", type(hook).__name__) for hook, _ in hooks],
-            "states": [type(state).__name__ for _, state in hooks],
-            "state_iters": [getattr(state, "iter", None) for _, state in hooks],
-        }))
+        (out / f"rank{trainer.global_rank}.json").write_text(
+            json.dumps(
+                {
+                    "global_rank": trainer.global_rank,
+                    "hooks": [getattr(hook, "__name__", type(hook).__name__) for hook, _ in hooks],
+                    "states": [type(state).__name__ for _, state in hooks],
+                    "state_iters": [getattr(state, "iter", None) for _, state in hooks],
+                }
+            )
+        )

@@ -56,8 +56,9 @@ def kill_group(proc: subprocess.Popen) -> None:
 def run_command(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     """Run ``cmd`` from the repo root in its own process group: on a timeout every process it started (DDP ranks,
     sweep jobs) is killed with it, and the test fails."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -67,8 +68,9 @@ def run_command(cmd: list[str], env: dict, timeout: float) -> subprocess.Complet
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def run_script(script: str, *overrides: str, log_dir: Path, timeout: float = 180, env: dict | None = None,
-               check: bool = True) -> Run:
+def run_script(
+    script: str, *overrides: str, log_dir: Path, timeout: float = 180, env: dict | None = None, check: bool = True
+) -> Run:
     """``python <script> <overrides>`` from the repo root, writing below ``log_dir``; a hang fails at ``timeout``."""
     cmd = [sys.executable, str(ROOT / script), *overrides, f"paths.log_dir={log_dir}"]
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "200", **(env or {})}
@@ -78,8 +80,10 @@ def run_script(script: str, *overrides: str, log_dir: Path, timeout: float = 180
     proc = run_command(cmd, full_env, timeout)
     run = Run(proc.returncode, proc.stdout, proc.stderr, log_dir)
     if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
-                    f"{proc.stderr[-6000:]}")
+        pytest.fail(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n"
+            f"{proc.stderr[-6000:]}"
+        )
     return run
 
 

@@ -17,8 +17,11 @@ class KillOnFirstAttempt(L.Callback):
         self.rank, self.step = rank, step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if (os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and trainer.global_rank == self.rank
-                and trainer.global_step == self.step):
+        if (
+            os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+            and trainer.global_rank == self.rank
+            and trainer.global_step == self.step
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -33,8 +36,9 @@ def kill_during_save(ckpt: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     checkpoint_io.os.fsync = fsync_then_die  # type: ignore[attr-defined]
-    checkpoint_io.AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.full((1000,), 7.0)},
-                                                        "global_step": 999}, Path(ckpt))
+    checkpoint_io.AtomicCheckpointIO().save_checkpoint(
+        {"state_dict": {"w": torch.full((1000,), 7.0)}, "global_step": 999}, Path(ckpt)
+    )
 
 
 if __name__ == "__main__":

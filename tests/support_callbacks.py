@@ -15,8 +15,15 @@ class SaveRankWeights(L.Callback):
         out = Path(trainer.default_root_dir) / "rank_weights"
         out.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
-        torch.save({"global_rank": trainer.global_rank, "world_size": trainer.world_size,
-                    "global_step": trainer.global_step, "state": state}, out / f"rank{trainer.global_rank}.pt")
+        torch.save(
+            {
+                "global_rank": trainer.global_rank,
+                "world_size": trainer.world_size,
+                "global_step": trainer.global_step,
+                "state": state,
+            },
+            out / f"rank{trainer.global_rank}.pt",
+        )
 
 
 class FailAboveLR(L.Callback):

@@ -26,15 +26,17 @@ class NoSyncStep(L.Callback):
         self._context: Any = None
         self.fired = False
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == self.step and not self.fired:
             self.fired = True
             self._context = trainer.strategy.model.no_sync()
             self._context.__enter__()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._context is not None:
             self._context.__exit__(None, None, None)
             self._context = None
@@ -58,5 +60,8 @@ class CollectiveProbe(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         check = next(c for c in trainer.callbacks if isinstance(c, SyncCheck))
         path = Path(trainer.default_root_dir) / f"probe_rank{trainer.global_rank}.json"
-        path.write_text(json.dumps({"global_rank": trainer.global_rank, "collective_log": check.collective_log,
-                                    "active": check.active}))
+        path.write_text(
+            json.dumps(
+                {"global_rank": trainer.global_rank, "collective_log": check.collective_log, "active": check.active}
+            )
+        )

@@ -25,9 +25,16 @@ COMMS = sorted(p.stem for p in (CONF / "comm").glob("*.yaml"))
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
 TIMEOUT = 240
 # 3 epochs of digits on 2 ranks (batch 64 per rank: 11 steps an epoch, 33 in all); plain DDP reaches ~0.96 val/acc
-RUN = ("trainer=ddp_cpu", "trainer.max_epochs=3", "test=false", "callbacks.rich_progress_bar=null",
-       "extras.print_config=false", "callbacks.early_stopping=null", "callbacks.sync_check.every_n_steps=1",
-       "+callbacks.comm_hooks._target_=comm_support.RecordCommHook")
+RUN = (
+    "trainer=ddp_cpu",
+    "trainer.max_epochs=3",
+    "test=false",
+    "callbacks.rich_progress_bar=null",
+    "extras.print_config=false",
+    "callbacks.early_stopping=null",
+    "callbacks.sync_check.every_n_steps=1",
+    "+callbacks.comm_hooks._target_=comm_support.RecordCommHook",
+)
 MIN_VAL_ACC = 0.85
 # small enough that compression / local SGD run for most of the 33 steps
 POWERSGD_START = 5
@@ -64,8 +71,12 @@ def test_every_comm_config_builds_its_strategy_on_cpu(comm):
     # the trainer's DDP options survive the merge
     assert strategy.process_group_backend == "gloo"
     hook = strategy._ddp_comm_hook
-    expected = {"fp16_compress": "fp16_compress_hook", "bf16_compress": "bf16_compress_hook",
-                "powersgd": "powerSGD_hook", "local_sgd": "post_localSGD_hook"}.get(comm)
+    expected = {
+        "fp16_compress": "fp16_compress_hook",
+        "bf16_compress": "bf16_compress_hook",
+        "powersgd": "powerSGD_hook",
+        "local_sgd": "post_localSGD_hook",
+    }.get(comm)
     # a function object, not the result of calling one
     assert (hook.__name__ if hook else None) == expected
     if comm == "powersgd":
@@ -91,15 +102,20 @@ def test_comm_with_one_ddp_process_fails_naming_comm():
         check_comm_config(cfg.trainer)
 
 
-@pytest.mark.parametrize(("overrides", "match"), [
-    (("comm=local_sgd", "trainer.strategy.model_averaging_period=1"), r"model_averaging_period=1.*>= 2"),
-    (("comm=local_sgd", "trainer.strategy.ddp_comm_state.start_localSGD_iter=0"), r"start_localSGD_iter=0"),
-    # subgroup=null groups ranks per GPU machine: no GPUs on trainer=ddp_cpu
-    (("comm=local_sgd", "trainer.strategy.ddp_comm_state.post_local_gradient_allreduce=true"),
-     r"post_local_gradient_allreduce=true .*accelerator=cpu"),
-    (("comm=powersgd", "trainer.strategy.ddp_comm_state.start_powerSGD_iter=1"), r"start_powerSGD_iter=1"),
-    (("comm=fp16_compress", "+trainer.strategy.model_averaging_period=4"), r"not a PostLocalSGDState"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (("comm=local_sgd", "trainer.strategy.model_averaging_period=1"), r"model_averaging_period=1.*>= 2"),
+        (("comm=local_sgd", "trainer.strategy.ddp_comm_state.start_localSGD_iter=0"), r"start_localSGD_iter=0"),
+        # subgroup=null groups ranks per GPU machine: no GPUs on trainer=ddp_cpu
+        (
+            ("comm=local_sgd", "trainer.strategy.ddp_comm_state.post_local_gradient_allreduce=true"),
+            r"post_local_gradient_allreduce=true .*accelerator=cpu",
+        ),
+        (("comm=powersgd", "trainer.strategy.ddp_comm_state.start_powerSGD_iter=1"), r"start_powerSGD_iter=1"),
+        (("comm=fp16_compress", "+trainer.strategy.model_averaging_period=4"), r"not a PostLocalSGDState"),
+    ],
+)
 def test_comm_options_that_cannot_work_fail_by_name(overrides, match):
     cfg = compose_cfg("trainer=ddp_cpu", *overrides)
     with pytest.raises(ConfigError, match=match):
@@ -112,8 +128,9 @@ def assert_trained_in_sync(run, hook: str | None) -> dict:
     assert run.last_value("val/acc") >= MIN_VAL_ACC, run.last_value("val/acc")
     summary = read_json(run.run_dir() / "reports" / "sync_check.json")
     assert summary["active"] and summary["checks"] >= 33, summary
-    assert summary["findings"] == {"grad_mismatch": 0, "param_mismatch": 0, "buffer_mismatch": 0,
-                                   "no_local_grad": 0}, summary
+    assert summary["findings"] == {"grad_mismatch": 0, "param_mismatch": 0, "buffer_mismatch": 0, "no_local_grad": 0}, (
+        summary
+    )
     assert not (run.run_dir() / "reports" / "sync_check.jsonl").exists()
     for rank in (0, 1):
         hooks = read_json(run.run_dir() / "comm_hooks" / f"rank{rank}.json")
@@ -124,12 +141,15 @@ def assert_trained_in_sync(run, hook: str | None) -> dict:
 @pytest.mark.slow
 @pytest.mark.ddp
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("comm", "hook", "extra"), [
-    ("fp16_compress", "fp16_compress_hook", ()),
-    ("bf16_compress", "bf16_compress_hook", ()),
-    ("powersgd", "powerSGD_hook", (f"trainer.strategy.ddp_comm_state.start_powerSGD_iter={POWERSGD_START}",)),
-    ("tuned", None, ()),
-])
+@pytest.mark.parametrize(
+    ("comm", "hook", "extra"),
+    [
+        ("fp16_compress", "fp16_compress_hook", ()),
+        ("bf16_compress", "bf16_compress_hook", ()),
+        ("powersgd", "powerSGD_hook", (f"trainer.strategy.ddp_comm_state.start_powerSGD_iter={POWERSGD_START}",)),
+        ("tuned", None, ()),
+    ],
+)
 def test_compressed_and_tuned_ddp_trains_with_identical_replicas(train, comm, hook, extra):
     # compression hooks give every rank the same decompressed gradient: the sync check keeps checking every step
     run = train(*RUN, f"comm={comm}", *extra, env=ENV, timeout=TIMEOUT)
@@ -146,9 +166,15 @@ def test_compressed_and_tuned_ddp_trains_with_identical_replicas(train, comm, ho
 def test_local_sgd_replicas_differ_between_averaging_steps_and_match_right_after(train):
     import torch
 
-    run = train(*RUN, "comm=local_sgd", f"trainer.strategy.ddp_comm_state.start_localSGD_iter={LOCAL_SGD_START}",
-                f"trainer.strategy.model_averaging_period={LOCAL_SGD_PERIOD}",
-                "+callbacks.trace._target_=comm_support.SaveRankParamTrace", env=ENV, timeout=TIMEOUT)
+    run = train(
+        *RUN,
+        "comm=local_sgd",
+        f"trainer.strategy.ddp_comm_state.start_localSGD_iter={LOCAL_SGD_START}",
+        f"trainer.strategy.model_averaging_period={LOCAL_SGD_PERIOD}",
+        "+callbacks.trace._target_=comm_support.SaveRankParamTrace",
+        env=ENV,
+        timeout=TIMEOUT,
+    )
     summary = assert_trained_in_sync(run, "post_localSGD_hook")
     traces = [torch.load(run.run_dir() / "rank_params" / f"rank{r}.pt") for r in (0, 1)]
     steps = traces[0]["steps"]

@@ -22,7 +22,12 @@ EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 DEBUGS = sorted(p.stem for p in (CONF / "debug").glob("*.yaml"))
 HAS_GPU = torch.cuda.is_available()
 # what a trainer config needs on a machine without GPUs to build a Trainer
-CPU_OVERRIDES = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=32-true", "trainer.sync_batchnorm=false"]
+CPU_OVERRIDES = [
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+    "trainer.precision=32-true",
+    "trainer.sync_batchnorm=false",
+]
 GPU_ONLY = {"gpu", "ddp", "ddp_multinode", "fsdp"}
 
 
@@ -86,17 +91,28 @@ def test_ddp_multinode_reads_nodes_and_devices_from_the_environment(monkeypatch)
     assert cfg.trainer.strategy.process_group_backend == "nccl"
 
 
-@pytest.mark.parametrize(("env", "expected"), [
-    # what srun sets (SLURM_NTASKS_PER_NODE may read "8(x3)")
-    ({"SLURM_JOB_NUM_NODES": "3", "SLURM_NTASKS_PER_NODE": "8(x3)"}, (3, 8)),
-    # what torchrun sets in each worker
-    ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "4"}, (4, 4)),
-    # nothing: two nodes of all GPUs
-    ({}, (2, -1)),
-])
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        # what srun sets (SLURM_NTASKS_PER_NODE may read "8(x3)")
+        ({"SLURM_JOB_NUM_NODES": "3", "SLURM_NTASKS_PER_NODE": "8(x3)"}, (3, 8)),
+        # what torchrun sets in each worker
+        ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "4"}, (4, 4)),
+        # nothing: two nodes of all GPUs
+        ({}, (2, -1)),
+    ],
+)
 def test_ddp_multinode_reads_what_srun_and_torchrun_set(monkeypatch, env, expected):
-    for key in ("NUM_NODES", "GPUS_PER_NODE", "SLURM_JOB_NUM_NODES", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE",
-                "TORCHELASTIC_RUN_ID", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+    for key in (
+        "NUM_NODES",
+        "GPUS_PER_NODE",
+        "SLURM_JOB_NUM_NODES",
+        "SLURM_NNODES",
+        "SLURM_NTASKS_PER_NODE",
+        "TORCHELASTIC_RUN_ID",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+    ):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -153,8 +169,9 @@ def test_data_shape_mismatch_is_a_config_error():
 
 def test_sync_batchnorm_on_cpu_names_the_option():
     # trainer=ddp syncs BatchNorm (CUDA-only in torch); moved to the CPU it must say so before DDP fails obscurely
-    cfg = compose_cfg("trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-                      "trainer.strategy.process_group_backend=gloo")
+    cfg = compose_cfg(
+        "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy.process_group_backend=gloo"
+    )
     with pytest.raises(ConfigError, match=r"trainer\.sync_batchnorm=true .*trainer\.sync_batchnorm=false"):
         check_trainer_config(cfg.trainer)
 

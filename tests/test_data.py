@@ -36,8 +36,10 @@ def write_cifar10(root: Path, per_batch: int = 10) -> dict[str, str]:
     md5 = {}
     names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
     for name in names:
-        entry = {"data": rng.integers(0, 255, size=(per_batch, 3072), dtype=np.uint8),
-                 "labels": [int(v) for v in np.arange(per_batch) % 10]}
+        entry = {
+            "data": rng.integers(0, 255, size=(per_batch, 3072), dtype=np.uint8),
+            "labels": [int(v) for v in np.arange(per_batch) % 10],
+        }
         (folder / name).write_bytes(pickle.dumps(entry))
     (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [f"class{i}" for i in range(10)]}))
     for path in folder.iterdir():
@@ -51,7 +53,7 @@ def test_digits_split_is_fixed_and_disjoint():
     assert (len(a.data_train), len(a.data_val), len(a.data_test)) == (1295, 143, 359)
     assert a.data_train.indices == b.data_train.indices  # the same split on every rank
     x, y = next(iter(a.train_dataloader()))
-    assert x.shape == (64, 1, 8, 8) and x.dtype == torch.float32 and -1.0 <= x.min() and x.max() <= 1.0
+    assert x.shape == (64, 1, 8, 8) and x.dtype == torch.float32 and x.min() >= -1.0 and x.max() <= 1.0
     assert y.dtype == torch.long
 
 
@@ -90,8 +92,16 @@ def test_cifar10_loads_torchvision_files(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_train_py_on_mnist_files(train, tmp_path):
     write_mnist(tmp_path / "data", n_train=256, n_test=64)
-    run = train("data=mnist", f"data.data_dir={tmp_path / 'data'}", "data.num_workers=0", "data.pin_memory=false",
-                "data.batch_size=32", "model=mlp", "trainer.max_epochs=2", timeout=240)
+    run = train(
+        "data=mnist",
+        f"data.data_dir={tmp_path / 'data'}",
+        "data.num_workers=0",
+        "data.pin_memory=false",
+        "data.batch_size=32",
+        "model=mlp",
+        "trainer.max_epochs=2",
+        timeout=240,
+    )
     # the class is the stripe's row: easy for the MLP, which sees positions (the CNN's global pooling mostly does not);
     # chance is 0.1
     assert run.last_value("test/acc") >= 0.5

@@ -23,14 +23,17 @@ def test_unknown_config_group_choice(train):
     assert_clean_error(run, "transformer9000")
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    # raised inside a constructor Hydra instantiates: Hydra wraps it, the entry point unwraps it
-    ("data.batch_size=0", "error: data.batch_size must be >= 1, got 0"),
-    # torch's own check, when Lightning builds the optimizer
-    ("model.optimizer.lr=-1", "error: model.optimizer: Invalid learning rate: -1"),
-    # Lightning's own MisconfigurationException, raised while Hydra builds the Trainer
-    ("trainer.max_epochs=-5", "error: trainer (conf/trainer/): `max_epochs` must be a non-negative integer or -1"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        # raised inside a constructor Hydra instantiates: Hydra wraps it, the entry point unwraps it
+        ("data.batch_size=0", "error: data.batch_size must be >= 1, got 0"),
+        # torch's own check, when Lightning builds the optimizer
+        ("model.optimizer.lr=-1", "error: model.optimizer: Invalid learning rate: -1"),
+        # Lightning's own MisconfigurationException, raised while Hydra builds the Trainer
+        ("trainer.max_epochs=-5", "error: trainer (conf/trainer/): `max_epochs` must be a non-negative integer or -1"),
+    ],
+)
 def test_bad_values_inside_constructors_are_one_line(train, override, message):
     run = train(override, "extras.print_config=false", check=False, timeout=120)
     assert_clean_error(run, message)

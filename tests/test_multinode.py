@@ -14,8 +14,14 @@ from conftest import ROOT, kill_group
 
 TESTS = str(Path(__file__).resolve().parent)
 CPU = ["trainer.accelerator=cpu", "trainer.strategy.process_group_backend=gloo", "trainer.sync_batchnorm=false"]
-TINY = ["trainer.max_epochs=2", "trainer.limit_train_batches=6", "trainer.limit_val_batches=2", "test=false",
-        "callbacks.rich_progress_bar=null", "trainer.strategy.timeout.seconds=90"]
+TINY = [
+    "trainer.max_epochs=2",
+    "trainer.limit_train_batches=6",
+    "trainer.limit_val_batches=2",
+    "test=false",
+    "callbacks.rich_progress_bar=null",
+    "trainer.strategy.timeout.seconds=90",
+]
 
 
 def free_port() -> int:
@@ -29,13 +35,26 @@ def free_port() -> int:
 @pytest.mark.timeout(300)
 def test_two_torchrun_nodes_on_one_machine_train_in_sync(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")}
-    env.update(MASTER_PORT=str(free_port()), LT_RUN_ID="two_nodes", PYTHON=sys.executable, PYTHONPATH=TESTS,
-               PYTHONWARNINGS="ignore")
+    env.update(
+        MASTER_PORT=str(free_port()),
+        LT_RUN_ID="two_nodes",
+        PYTHON=sys.executable,
+        PYTHONPATH=TESTS,
+        PYTHONWARNINGS="ignore",
+    )
     args = [*CPU, *TINY, f"paths.log_dir={tmp_path}", "+callbacks.weights._target_=support_callbacks.SaveRankWeights"]
-    nodes = [subprocess.Popen(["bash", "scripts/launch_node.sh", str(rank), "127.0.0.1", "2", "1", *args], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
-             for rank in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            ["bash", "scripts/launch_node.sh", str(rank), "127.0.0.1", "2", "1", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]
     outputs = []
     try:
         for node in nodes:
@@ -44,7 +63,7 @@ def test_two_torchrun_nodes_on_one_machine_train_in_sync(tmp_path):
         for node in nodes:
             kill_group(node)
         pytest.fail("the two-node job did not finish in 270 s (hang?)")
-    for rank, (node, out) in enumerate(zip(nodes, outputs)):
+    for rank, (node, out) in enumerate(zip(nodes, outputs, strict=True)):
         assert node.returncode == 0, f"node {rank} exited {node.returncode}\n{out[-5000:]}"
 
     run_dirs = list((tmp_path / "train" / "runs").glob("*"))
@@ -62,8 +81,9 @@ def test_two_torchrun_nodes_on_one_machine_train_in_sync(tmp_path):
 
 
 def multinode(train, *extra, env):
-    return train("trainer=ddp_multinode", "trainer.devices=1", "trainer.num_nodes=2", *extra, env=env, check=False,
-                 timeout=120)
+    return train(
+        "trainer=ddp_multinode", "trainer.devices=1", "trainer.num_nodes=2", *extra, env=env, check=False, timeout=120
+    )
 
 
 def assert_clean_error(run, *needles):
@@ -84,8 +104,9 @@ def test_missing_master_port_is_named(train):
 
 
 def test_world_size_that_does_not_match_nodes_times_devices(train):
-    run = multinode(train, *CPU, env={"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400",
-                                      "WORLD_SIZE": "3"})
+    run = multinode(
+        train, *CPU, env={"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400", "WORLD_SIZE": "3"}
+    )
     assert_clean_error(run, "WORLD_SIZE=3", "trainer.num_nodes=2 x trainer.devices=1 = 2")
 
 
@@ -96,12 +117,18 @@ def test_node_rank_out_of_range(train):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
 def test_nccl_on_a_machine_without_gpu_suggests_gloo(train):
-    run = multinode(train, "trainer.accelerator=cpu",
-                    env={"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"})
+    run = multinode(
+        train, "trainer.accelerator=cpu", env={"NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
+    )
     assert_clean_error(run, "process_group_backend=nccl", "gloo", "trainer=ddp_cpu")
 
 
 def test_launch_script_refuses_a_node_rank_out_of_range():
-    proc = subprocess.run(["bash", "scripts/launch_node.sh", "3", "127.0.0.1", "2", "1"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        ["bash", "scripts/launch_node.sh", "3", "127.0.0.1", "2", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2 and "NODE_RANK=3 is out of range for NNODES=2" in proc.stderr

@@ -17,15 +17,27 @@ from lit_template.errors import ConfigError
 
 QUICK = ("test=false", "callbacks.rich_progress_bar=null", "extras.print_config=false", "callbacks.profiling=null")
 # dropout: a resumed run matches only if the RNG state and the data position were restored, not just the weights
-EXACT = (*QUICK, "trainer.deterministic=true", "model.net.dropout=0.3", "callbacks.early_stopping=null",
-         "trainer.limit_train_batches=8", "trainer.limit_val_batches=2", "trainer.max_epochs=3")
+EXACT = (
+    *QUICK,
+    "trainer.deterministic=true",
+    "model.net.dropout=0.3",
+    "callbacks.early_stopping=null",
+    "trainer.limit_train_batches=8",
+    "trainer.limit_val_batches=2",
+    "trainer.max_epochs=3",
+)
 DDP = ("trainer=ddp_cpu", "trainer.strategy.timeout.seconds=60")
 FAULT = "+callbacks.fault._target_=lit_template.testing.faults.FaultInjection"
 
 
 def fault(action: str, rank: int, step: int, *extra: str) -> tuple[str, ...]:
-    return (FAULT, f"+callbacks.fault.action={action}", f"+callbacks.fault.rank={rank}",
-            f"+callbacks.fault.step={step}", *extra)
+    return (
+        FAULT,
+        f"+callbacks.fault.action={action}",
+        f"+callbacks.fault.rank={rank}",
+        f"+callbacks.fault.step={step}",
+        *extra,
+    )
 
 
 def last_ckpt(run) -> dict:
@@ -44,9 +56,17 @@ def assert_same_weights(a: dict, b: dict) -> None:
 def test_last_ckpt_follows_training_when_the_monitored_metric_plateaus(train):
     # lr=0, no BatchNorm: val/acc never improves after epoch 0, so the best checkpoint stays epoch_000 (Lightning 2.6's
     # save_last=True would have left last.ckpt there too)
-    run = train(*QUICK, "model.optimizer.lr=0.0", "model.net.batch_norm=false", "model.scheduler=null", "callbacks.early_stopping=null",
-                "trainer.max_epochs=4", "trainer.limit_train_batches=5", "trainer.limit_val_batches=2",
-                timeout=150)
+    run = train(
+        *QUICK,
+        "model.optimizer.lr=0.0",
+        "model.net.batch_norm=false",
+        "model.scheduler=null",
+        "callbacks.early_stopping=null",
+        "trainer.max_epochs=4",
+        "trainer.limit_train_batches=5",
+        "trainer.limit_val_batches=2",
+        timeout=150,
+    )
     ckpts = sorted(p.name for p in (run.run_dir() / "checkpoints").iterdir())
     assert ckpts == ["epoch_000.ckpt", "last.ckpt"], ckpts
     last = last_ckpt(run)
@@ -77,13 +97,16 @@ def test_sigkill_after_a_mid_epoch_step_checkpoint_resumes_to_the_same_weights(t
 def test_mid_epoch_resume_is_exact_when_configure_optimizers_reads_estimated_stepping_batches(train, tmp_path):
     # Lightning #20550: reading trainer.estimated_stepping_batches there builds the train loader before the restore,
     # and Lightning then never loads its position; last_checkpoint loads it at train start
-    args = (*EXACT, "model._target_=resume_support.StepsSizedClassifier", "trainer.max_epochs=2",
-            "callbacks.last_checkpoint.every_n_train_steps=5")
+    args = (
+        *EXACT,
+        "model._target_=resume_support.StepsSizedClassifier",
+        "trainer.max_epochs=2",
+        "callbacks.last_checkpoint.every_n_train_steps=5",
+    )
     env = {"PYTHONPATH": str(Path(__file__).parent)}
     whole = train(*args, log_dir=tmp_path / "whole", env=env, timeout=200)
     env_killed = {**env, "LT_RUN_ID": "killed"}
-    killed = train(*args, *fault("kill", 0, 12), log_dir=tmp_path / "broken", env=env_killed, timeout=200,
-                   check=False)
+    killed = train(*args, *fault("kill", 0, 12), log_dir=tmp_path / "broken", env=env_killed, timeout=200, check=False)
     assert killed.returncode != 0 and last_ckpt(killed)["global_step"] == 10
     resumed = train(*args, "ckpt_path=auto", log_dir=tmp_path / "broken", env=env_killed, timeout=200)
     assert_same_weights(last_ckpt(whole), last_ckpt(resumed))
@@ -95,15 +118,24 @@ def test_mid_epoch_resume_is_exact_when_configure_optimizers_reads_estimated_ste
 @pytest.mark.ddp
 @pytest.mark.timeout(300)
 # the signal comes at the start of step `step`; that step's vote is read at the end of the next one (stop_step)
-@pytest.mark.parametrize("sig, step, stop_step", [("SIGUSR1", 3, 5), ("SIGTERM", 6, 8)],
-                         ids=["SIGUSR1-mid-epoch", "SIGTERM-at-an-epochs-last-batch"])
-def test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_resumed_run_matches(train, tmp_path, sig, step,
-                                                                                        stop_step):
+@pytest.mark.parametrize(
+    "sig, step, stop_step",
+    [("SIGUSR1", 3, 5), ("SIGTERM", 6, 8)],
+    ids=["SIGUSR1-mid-epoch", "SIGTERM-at-an-epochs-last-batch"],
+)
+def test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_resumed_run_matches(
+    train, tmp_path, sig, step, stop_step
+):
     args = (*DDP, *EXACT)
     whole = train(*args, log_dir=tmp_path / "whole", timeout=250)
     env = {"LT_RUN_ID": "preempted"}
-    stopped = train(*args, *fault("signal", 1, step, f"+callbacks.fault.signal={sig}"), log_dir=tmp_path / "broken",
-                    env=env, timeout=250)
+    stopped = train(
+        *args,
+        *fault("signal", 1, step, f"+callbacks.fault.signal={sig}"),
+        log_dir=tmp_path / "broken",
+        env=env,
+        timeout=250,
+    )
     report = json.loads((stopped.run_dir() / "reports" / "preemption.json").read_text())
     assert report["kind"] == "preemption" and report["ranks"] == [1] and report["signals"] == {"1": sig}
     # mid-epoch: saved right there; at an epoch's last batch: the epoch's own save, after its validation
@@ -122,8 +154,13 @@ def test_a_signal_to_one_rank_stops_every_rank_at_one_step_and_the_resumed_run_m
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_signal_on_one_process_stops_at_once_and_exits_with_the_configured_code(train):
-    run = train(*EXACT, *fault("signal", 0, 5, "+callbacks.fault.signal=SIGTERM"),
-                "callbacks.preemption.exit_code=75", timeout=150, check=False)
+    run = train(
+        *EXACT,
+        *fault("signal", 0, 5, "+callbacks.fault.signal=SIGTERM"),
+        "callbacks.preemption.exit_code=75",
+        timeout=150,
+        check=False,
+    )
     assert run.returncode == 75, run.output[-3000:]
     report = json.loads((run.run_dir() / "reports" / "preemption.json").read_text())
     # one process: no vote to wait for, the stop is at the end of the step that got the signal
@@ -136,8 +173,15 @@ def test_a_signal_on_one_process_stops_at_once_and_exits_with_the_configured_cod
 def test_every_n_minutes_saves_mid_epoch_on_rank_zeros_clock(train):
     # 1e-5 min (0.6 ms): due at every step on rank zero's clock; the vote makes it a save one step later on both
     # ranks, from step 2 on; rank 0 is SIGKILLed at the start of step 7, after step 6's save
-    run = train(*DDP, *EXACT, "trainer.max_epochs=1", "callbacks.last_checkpoint.every_n_minutes=0.00001",
-                *fault("kill", 0, 6), timeout=150, check=False)
+    run = train(
+        *DDP,
+        *EXACT,
+        "trainer.max_epochs=1",
+        "callbacks.last_checkpoint.every_n_minutes=0.00001",
+        *fault("kill", 0, 6),
+        timeout=150,
+        check=False,
+    )
     assert run.returncode != 0
     assert last_ckpt(run)["global_step"] in (5, 6), last_ckpt(run)["global_step"]
 
@@ -181,7 +225,8 @@ def test_a_vote_on_one_process_returns_at_once():
 
 def test_the_slurm_job_id_of_an_array_task_is_what_scontrol_requeue_takes():
     assert SlurmJob.from_env({}) is None
-    job = SlurmJob.from_env({"SLURM_JOB_ID": "41", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3",
-                             "SLURM_RESTART_COUNT": "2"})
+    job = SlurmJob.from_env(
+        {"SLURM_JOB_ID": "41", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3", "SLURM_RESTART_COUNT": "2"}
+    )
     assert job.job_id == "40_3" and job.restart_count == 2
     assert SlurmJob.from_env({"SLURM_JOB_ID": "41"}).job_id == "41"

@@ -18,8 +18,13 @@ from lit_template.diagnostics.profiling.stats import WindowStats, find_straggler
 from lit_template.diagnostics.profiling.timer import CpuClock, StepTimer
 from lit_template.errors import ConfigError
 
-FAST = ["trainer.max_epochs=1", "++trainer.limit_train_batches=10", "++trainer.limit_val_batches=2", "test=false",
-        "callbacks.early_stopping=null"]
+FAST = [
+    "trainer.max_epochs=1",
+    "++trainer.limit_train_batches=10",
+    "++trainer.limit_val_batches=2",
+    "test=false",
+    "callbacks.early_stopping=null",
+]
 # One intra-op thread: on a shared 2-core machine, OpenMP spinning otherwise swamps a tiny model's step time.
 ENV = {"PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
 TICK = ["+callbacks.profiling.clock._target_=profiling_support.TickClock", "+callbacks.profiling.clock.tick_s=0.001"]
@@ -34,8 +39,9 @@ def runs(tmp_path_factory):
 
     def _run(name: str, *overrides: str, timeout: float = 150) -> Run:
         if name not in done:
-            done[name] = run_script("train.py", *overrides, log_dir=tmp_path_factory.mktemp(name), env=ENV,
-                                    timeout=timeout)
+            done[name] = run_script(
+                "train.py", *overrides, log_dir=tmp_path_factory.mktemp(name), env=ENV, timeout=timeout
+            )
         return done[name]
 
     return _run
@@ -64,10 +70,21 @@ class ListClock:
 
 def test_step_math_with_a_patched_clock():
     # epoch start 0; step 1: one batch; step 2: two accumulated batches; validation; step 3: one batch
-    clock = ListClock([0.000, 0.010, 0.015, 0.030,  # wait 10 ms, backward at 15, end at 30
-                       0.040, 0.060,  # micro-batch 1 of step 2 (no backward mark: fine)
-                       0.100, 0.110, 0.120,  # micro-batch 2: wait 40 ms, backward at 110
-                       1.000, 1.020])  # after validation: the gap is not measured
+    clock = ListClock(
+        [
+            0.000,
+            0.010,
+            0.015,
+            0.030,  # wait 10 ms, backward at 15, end at 30
+            0.040,
+            0.060,  # micro-batch 1 of step 2 (no backward mark: fine)
+            0.100,
+            0.110,
+            0.120,  # micro-batch 2: wait 40 ms, backward at 110
+            1.000,
+            1.020,
+        ]
+    )  # after validation: the gap is not measured
     timer = StepTimer(CpuClock(clock))
     timer.resume()
     timer.batch_start(), timer.before_backward(), timer.batch_end(64, 0, stepped=True, step=1)
@@ -106,8 +123,7 @@ def test_batch_counts_samples_and_tokens():
 def test_data_wait_is_the_fetch_not_the_whole_gap_between_batches():
     # epoch start 0; fetch 0.001-0.004 (first batch: the 1 ms before the fetch, creating the iterator, counts too);
     # batch 0.005-0.020; other callbacks' hooks and logging until 0.050, fetch 0.050-0.052; batch 0.053-0.060
-    clock = ListClock([0.000, 0.001, 0.004, 0.005, 0.010, 0.020,
-                       0.050, 0.052, 0.053, 0.055, 0.060])
+    clock = ListClock([0.000, 0.001, 0.004, 0.005, 0.010, 0.020, 0.050, 0.052, 0.053, 0.055, 0.060])
     timer = StepTimer(CpuClock(clock))
     timer.resume()
     timer.fetch_start(), timer.fetch_end()
@@ -122,9 +138,17 @@ def test_data_wait_is_the_fetch_not_the_whole_gap_between_batches():
 
 def tick_run(runs, accumulate: int) -> Run:
     """A whole epoch of batches of 100 on the tick clock."""
-    return runs(f"tick_acc{accumulate}", "trainer.max_epochs=1", "++trainer.limit_val_batches=2", "test=false",
-                "callbacks.early_stopping=null", "data.batch_size=100",
-                f"trainer.accumulate_grad_batches={accumulate}", "callbacks.profiling.log_every_n_steps=4", *TICK)
+    return runs(
+        f"tick_acc{accumulate}",
+        "trainer.max_epochs=1",
+        "++trainer.limit_val_batches=2",
+        "test=false",
+        "callbacks.early_stopping=null",
+        "data.batch_size=100",
+        f"trainer.accumulate_grad_batches={accumulate}",
+        "callbacks.profiling.log_every_n_steps=4",
+        *TICK,
+    )
 
 
 def test_tick_clock_through_train_py_gives_exact_figures(runs):
@@ -162,12 +186,24 @@ def test_on_by_default_in_light_mode_with_gpu_metrics_absent_on_cpu(runs):
     assert 0 < r["data_wait"]["pct"] < 100
     assert r["throughput"]["samples"] == 10 * 64
     header = set(run.metrics()[0])
-    for name in ("perf/step_time_ms_p50", "perf/step_time_ms_p90", "perf/step_time_ms_max", "perf/data_wait_ms",
-                 "perf/data_wait_pct", "perf/samples_per_s", "perf/samples_per_s_global", "perf/rss_gib_max"):
+    for name in (
+        "perf/step_time_ms_p50",
+        "perf/step_time_ms_p90",
+        "perf/step_time_ms_max",
+        "perf/data_wait_ms",
+        "perf/data_wait_pct",
+        "perf/samples_per_s",
+        "perf/samples_per_s_global",
+        "perf/rss_gib_max",
+    ):
         assert len(column(run, name)) == 2, name  # windows end at steps 5 and 10
     # on the CPU, with no peak given: no MFU and no GPU memory, absent rather than zero; no token counts for images
-    assert not [h for h in header if h.startswith("perf/") and any(
-        k in h for k in ("mfu", "allocated", "reserved", "retries", "ooms", "tokens", "straggler"))]
+    assert not [
+        h
+        for h in header
+        if h.startswith("perf/")
+        and any(k in h for k in ("mfu", "allocated", "reserved", "retries", "ooms", "tokens", "straggler"))
+    ]
     assert "mfu" not in r and set(r["memory"]) == {"rss_gib"} and "tokens" not in r["throughput"]
     assert 0.05 < r["memory"]["rss_gib"]["min"] <= r["memory"]["rss_gib"]["max"] < 64
     # light mode: no trace, no memory snapshot, no straggler check with one process
@@ -190,8 +226,9 @@ def test_report_files_are_written_once_at_the_end_of_fit(runs):
 
 def test_a_sleep_in_the_dataset_raises_the_data_wait_and_mfu_comes_from_the_peak_override(runs):
     base = report(plain(runs))
-    run = runs("slow_data", *FAST, *SLOW_DATA, "callbacks.profiling.log_every_n_steps=5",
-               "callbacks.profiling.peak_flops=1e12")
+    run = runs(
+        "slow_data", *FAST, *SLOW_DATA, "callbacks.profiling.log_every_n_steps=5", "callbacks.profiling.peak_flops=1e12"
+    )
     slow = report(run)
     # 64 items x 1 ms of sleep each, waited for between batches
     assert slow["data_wait"]["ms_per_step"] >= 64 * 1.0
@@ -214,19 +251,34 @@ def test_a_sleep_in_the_dataset_raises_the_data_wait_and_mfu_comes_from_the_peak
 @pytest.mark.ddp
 @pytest.mark.timeout(240)
 def test_sleep_on_rank_1_makes_it_the_straggler_and_each_rank_writes_its_traces(runs):
-    run = runs("ddp", "trainer=ddp_cpu", *FAST, "callbacks.profiling.log_every_n_steps=3",
-               "+callbacks.fault._target_=lit_template.testing.faults.FaultInjection",
-               "+callbacks.fault.action=sleep", "+callbacks.fault.rank=1", "+callbacks.fault.step=0",
-               "+callbacks.fault.every_step=true", "+callbacks.fault.seconds=0.1",
-               "callbacks.profiling.trace.enabled=true", "callbacks.profiling.trace.skip_first=1",
-               "callbacks.profiling.trace.wait=0", "callbacks.profiling.trace.warmup=1",
-               "callbacks.profiling.trace.active=1", "callbacks.profiling.trace.repeat=2", timeout=220)
+    run = runs(
+        "ddp",
+        "trainer=ddp_cpu",
+        *FAST,
+        "callbacks.profiling.log_every_n_steps=3",
+        "+callbacks.fault._target_=lit_template.testing.faults.FaultInjection",
+        "+callbacks.fault.action=sleep",
+        "+callbacks.fault.rank=1",
+        "+callbacks.fault.step=0",
+        "+callbacks.fault.every_step=true",
+        "+callbacks.fault.seconds=0.1",
+        "callbacks.profiling.trace.enabled=true",
+        "callbacks.profiling.trace.skip_first=1",
+        "callbacks.profiling.trace.wait=0",
+        "callbacks.profiling.trace.warmup=1",
+        "callbacks.profiling.trace.active=1",
+        "callbacks.profiling.trace.repeat=2",
+        timeout=220,
+    )
     run_dir = run.run_dir()
     records = [json.loads(line) for line in (run_dir / "reports" / "stragglers.jsonl").read_text().splitlines()]
     # windows end at steps 3, 6, 9 and 10 (the partial last one): every one names rank 1, ~100 ms behind
     assert [rec["global_step"] for rec in records] == [3, 6, 9, 10]
     assert {rec["slowest_global_rank"] for rec in records} == {1}
-    assert all(rec["lag_ms"] > 50 and rec["kind"] == "straggler" and rec["ranks"] == [1] and rec["world_size"] == 2 for rec in records)
+    assert all(
+        rec["lag_ms"] > 50 and rec["kind"] == "straggler" and rec["ranks"] == [1] and rec["world_size"] == 2
+        for rec in records
+    )
     assert "straggler: global rank 1 was the slowest rank up to step 3" in run.output
     r = report(run)
     assert r["ranks"] == [0, 1] and [p["global_rank"] for p in r["per_rank"]] == [0, 1]
@@ -248,8 +300,17 @@ def test_find_straggler_names_the_rank_that_reaches_the_sync_last():
     from lit_template.diagnostics.profiling.stats import MemoryStats, RankWindow
 
     def rank(r: int, pre_sync_s: float) -> RankWindow:
-        w = WindowStats(steps=10, time_s=1.0, data_wait_s=0.1, pre_sync_s=10 * pre_sync_s, samples=640, tokens=0,
-                        step_time_s_p50=0.1, step_time_s_p90=0.1, step_time_s_max=0.1)
+        w = WindowStats(
+            steps=10,
+            time_s=1.0,
+            data_wait_s=0.1,
+            pre_sync_s=10 * pre_sync_s,
+            samples=640,
+            tokens=0,
+            step_time_s_p50=0.1,
+            step_time_s_p90=0.1,
+            step_time_s_max=0.1,
+        )
         return RankWindow(r, w, MemoryStats(rss_gib=1.0))
 
     rows = [rank(0, 0.02), rank(1, 0.021), rank(2, 0.07), rank(3, 0.019)]

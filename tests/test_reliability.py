@@ -20,15 +20,25 @@ from lit_template.checkpoints import AtomicCheckpointIO, check_checkpoint
 from lit_template.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICK = ("test=false", "callbacks.rich_progress_bar=null", "extras.print_config=false", "trainer.limit_val_batches=2",
-         "logger=csv", "callbacks.profiling=null")
+QUICK = (
+    "test=false",
+    "callbacks.rich_progress_bar=null",
+    "extras.print_config=false",
+    "trainer.limit_val_batches=2",
+    "logger=csv",
+    "callbacks.profiling=null",
+)
 DDP = ("trainer=ddp_cpu", "trainer.strategy.timeout.seconds=30")
 FAULT = "+callbacks.fault._target_=lit_template.testing.faults.FaultInjection"
 
 
 def fault(action: str, rank: int, step: int) -> tuple[str, ...]:
-    return (FAULT, f"+callbacks.fault.action={action}", f"+callbacks.fault.rank={rank}",
-            f"+callbacks.fault.step={step}")
+    return (
+        FAULT,
+        f"+callbacks.fault.action={action}",
+        f"+callbacks.fault.rank={rank}",
+        f"+callbacks.fault.step={step}",
+    )
 
 
 def free_port() -> int:
@@ -48,8 +58,15 @@ def records(run_dir: Path, name: str) -> list[dict]:
 @pytest.mark.ddp
 @pytest.mark.timeout(200)
 def test_nan_loss_on_one_rank_stops_every_rank_in_the_same_step(train):
-    run = train(*DDP, *QUICK, "trainer.max_epochs=1", "trainer.limit_train_batches=6", *fault("nan_loss", 1, 3),
-                timeout=150, check=False)
+    run = train(
+        *DDP,
+        *QUICK,
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=6",
+        *fault("nan_loss", 1, 3),
+        timeout=150,
+        check=False,
+    )
     assert run.returncode != 0, run.output[-3000:]
     assert "non-finite loss on rank 1 at step 3 (loss=nan); stopping every rank" in run.output, run.output[-4000:]
     # both ranks raised, in the same step
@@ -64,8 +81,15 @@ def test_nan_loss_on_one_rank_stops_every_rank_in_the_same_step(train):
 @pytest.mark.ddp
 @pytest.mark.timeout(200)
 def test_nan_grad_on_one_rank_with_skip_skips_that_step_and_finishes(train):
-    run = train(*DDP, *QUICK, "trainer.max_epochs=1", "trainer.limit_train_batches=6", *fault("nan_grad", 1, 2),
-                "callbacks.nonfinite_guard.on_nonfinite=skip", timeout=150)
+    run = train(
+        *DDP,
+        *QUICK,
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=6",
+        *fault("nan_grad", 1, 2),
+        "callbacks.nonfinite_guard.on_nonfinite=skip",
+        timeout=150,
+    )
     assert "skipping this optimizer step on every rank" in run.output
     (event,) = records(run.run_dir(), "nonfinite.jsonl")
     assert event["global_step"] == 2 and event["ranks"] == [1] and event["what"] == "grad"
@@ -98,8 +122,11 @@ def test_safe_loading_refuses_random_bytes_arbitrary_pickles_and_non_lightning_f
     torch.save({"w": torch.ones(3)}, plain)
     good = tmp_path / "good.ckpt"
     torch.save({"state_dict": {"w": torch.ones(3)}, "epoch": 0, "hyper_parameters": {"lr": 0.1}}, good)
-    for path, why in ((random_bytes, "not a torch.save zip archive"), (pickled, "weights_only=True"),
-                      (plain, "no 'state_dict'")):
+    for path, why in (
+        (random_bytes, "not a torch.save zip archive"),
+        (pickled, "weights_only=True"),
+        (plain, "no 'state_dict'"),
+    ):
         with pytest.raises(ConfigError, match="ckpt_path=") as err:
             check_checkpoint(path)
         assert why in str(err.value), str(err.value)
@@ -131,8 +158,13 @@ def test_a_process_killed_mid_save_leaves_the_previous_last_ckpt(tmp_path):
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     _previous_last(last)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "reliability_faults.py"), str(last)], env=env,
-                          timeout=120, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "reliability_faults.py"), str(last)],
+        env=env,
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]  # SIGKILLed inside the save
     assert torch.load(check_checkpoint(last), weights_only=True)["global_step"] == 5
     # what the crash left is a dot-file ending in .tmp, which ckpt_path=last (…/last.ckpt) never matches
@@ -145,14 +177,24 @@ def test_a_process_killed_mid_save_leaves_the_previous_last_ckpt(tmp_path):
 @pytest.mark.slow
 @pytest.mark.ddp
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("action, named", [
-    ("raise", "error: rank 1 failed at step 3: RuntimeError: fault injection"),
-    ("kill", "error: rank 1 (pid"),
-])
+@pytest.mark.parametrize(
+    "action, named",
+    [
+        ("raise", "error: rank 1 failed at step 3: RuntimeError: fault injection"),
+        ("kill", "error: rank 1 (pid"),
+    ],
+)
 def test_a_dead_rank_ends_the_job_non_zero_and_is_named(train, action, named):
     start = time.monotonic()
-    run = train(*DDP, *QUICK, "trainer.max_epochs=2", "trainer.limit_train_batches=8", *fault(action, 1, 3),
-                timeout=150, check=False)
+    run = train(
+        *DDP,
+        *QUICK,
+        "trainer.max_epochs=2",
+        "trainer.limit_train_batches=8",
+        *fault(action, 1, 3),
+        timeout=150,
+        check=False,
+    )
     elapsed_s = time.monotonic() - start
     assert run.returncode != 0, run.output[-3000:]
     assert named in run.output, run.output[-4000:]
@@ -169,15 +211,34 @@ def test_torchrun_restarts_after_a_killed_rank_and_resumes_from_last_ckpt(tmp_pa
     # scripts/launch_node.sh on one "node" with 2 processes and one restart allowed; rank 1 is SIGKILLed at step 6 in
     # the first attempt, torchrun restarts both ranks, and ckpt_path=auto picks up the first attempt's last.ckpt.
     log_dir = tmp_path / "logs"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "PYTHONWARNINGS": "ignore", "LT_RUN_ID": "torchrun-1",
-           "MASTER_PORT": str(free_port()), "PYTHON": sys.executable, "TRAINER": "ddp_cpu",
-           "TORCHRUN_ARGS": "--max-restarts=1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "tests"),
+        "PYTHONWARNINGS": "ignore",
+        "LT_RUN_ID": "torchrun-1",
+        "MASTER_PORT": str(free_port()),
+        "PYTHON": sys.executable,
+        "TRAINER": "ddp_cpu",
+        "TORCHRUN_ARGS": "--max-restarts=1",
+    }
     for key in ("MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
         env.pop(key, None)
-    cmd = ["bash", "scripts/launch_node.sh", "0", "127.0.0.1", "1", "2", *DDP[1:], *QUICK, "trainer.max_epochs=3",
-           "trainer.limit_train_batches=4", "ckpt_path=auto",
-           "+callbacks.kill._target_=reliability_faults.KillOnFirstAttempt", "+callbacks.kill.step=6",
-           f"paths.log_dir={log_dir}"]
+    cmd = [
+        "bash",
+        "scripts/launch_node.sh",
+        "0",
+        "127.0.0.1",
+        "1",
+        "2",
+        *DDP[1:],
+        *QUICK,
+        "trainer.max_epochs=3",
+        "trainer.limit_train_batches=4",
+        "ckpt_path=auto",
+        "+callbacks.kill._target_=reliability_faults.KillOnFirstAttempt",
+        "+callbacks.kill.step=6",
+        f"paths.log_dir={log_dir}",
+    ]
     proc = run_command(cmd, env, timeout=280)
     output = proc.stdout + proc.stderr
     errors = "\n".join(line for line in output.splitlines() if "rror" in line)
@@ -193,12 +254,17 @@ def test_torchrun_restarts_after_a_killed_rank_and_resumes_from_last_ckpt(tmp_pa
 @pytest.mark.timeout(300)
 def test_a_run_killed_mid_epoch_and_resumed_ends_where_an_uninterrupted_run_ends(train, tmp_path):
     # dropout: the resumed run matches only if the RNG state was restored (callbacks.rng_state), not just the weights
-    args = (*QUICK, "trainer.deterministic=true", "trainer.max_epochs=4", "trainer.limit_train_batches=8",
-            "callbacks.early_stopping=null", "model.net.dropout=0.3")
+    args = (
+        *QUICK,
+        "trainer.deterministic=true",
+        "trainer.max_epochs=4",
+        "trainer.limit_train_batches=8",
+        "callbacks.early_stopping=null",
+        "model.net.dropout=0.3",
+    )
     whole = train(*args, log_dir=tmp_path / "whole", timeout=200)
     env = {"LT_RUN_ID": "resumed"}
-    killed = train(*args, *fault("kill", 0, 2 * 8 + 3), log_dir=tmp_path / "broken", env=env, timeout=200,
-                   check=False)
+    killed = train(*args, *fault("kill", 0, 2 * 8 + 3), log_dir=tmp_path / "broken", env=env, timeout=200, check=False)
     assert killed.returncode == -9, killed.output[-3000:]
     resumed = train(*args, "ckpt_path=last", log_dir=tmp_path / "broken", env=env, timeout=200)
     assert "resuming from" in resumed.output

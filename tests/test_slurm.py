@@ -22,12 +22,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 # rank 0 sleeps 0.2 s per step, so a 40-step run lasts long enough to be interrupted mid-run; dropout and a
 # deterministic run: the resumed run matches only if weights, RNG state and data position were all restored
-EXACT = ("test=false", "callbacks.rich_progress_bar=null", "extras.print_config=false", "callbacks.profiling=null",
-         "trainer.deterministic=true", "model.net.dropout=0.3", "callbacks.early_stopping=null",
-         "trainer.limit_train_batches=8", "trainer.limit_val_batches=2", "trainer.max_epochs=5",
-         "+callbacks.slow._target_=lit_template.testing.faults.FaultInjection", "+callbacks.slow.action=sleep",
-         "+callbacks.slow.rank=0", "+callbacks.slow.step=0", "+callbacks.slow.every_step=true",
-         "+callbacks.slow.seconds=0.2")
+EXACT = (
+    "test=false",
+    "callbacks.rich_progress_bar=null",
+    "extras.print_config=false",
+    "callbacks.profiling=null",
+    "trainer.deterministic=true",
+    "model.net.dropout=0.3",
+    "callbacks.early_stopping=null",
+    "trainer.limit_train_batches=8",
+    "trainer.limit_val_batches=2",
+    "trainer.max_epochs=5",
+    "+callbacks.slow._target_=lit_template.testing.faults.FaultInjection",
+    "+callbacks.slow.action=sleep",
+    "+callbacks.slow.rank=0",
+    "+callbacks.slow.step=0",
+    "+callbacks.slow.every_step=true",
+    "+callbacks.slow.seconds=0.2",
+)
 STEPS = 5 * 8
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
@@ -42,8 +54,19 @@ class Cluster:
         return proc.stdout
 
     def sbatch(self, *overrides: str, log_dir: Path) -> str:
-        return self.run("sbatch", "--parsable", "--cpus-per-task=1", f"--output={self.out_dir}/%j.out",
-                        "scripts/slurm.sbatch", *overrides, f"paths.log_dir={log_dir}").strip().split(";")[0]
+        return (
+            self.run(
+                "sbatch",
+                "--parsable",
+                "--cpus-per-task=1",
+                f"--output={self.out_dir}/%j.out",
+                "scripts/slurm.sbatch",
+                *overrides,
+                f"paths.log_dir={log_dir}",
+            )
+            .strip()
+            .split(";")[0]
+        )
 
     def job(self, job: str) -> dict[str, str]:
         """``scontrol show job``'s fields (the cluster keeps a finished job for MinJobAge=300 s)."""
@@ -88,7 +111,7 @@ def cluster(tmp_path_factory) -> Cluster:
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONWARNINGS": "ignore", "COLUMNS": "200"}
     for line in proc.stdout.splitlines():
         if line.startswith("export "):
-            key, _, value = line[len("export "):].partition("=")
+            key, _, value = line[len("export ") :].partition("=")
             env[key] = value
     for key in ("LT_RUN_ID", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
         env.pop(key, None)
@@ -127,8 +150,7 @@ def finished_reference(cluster: Cluster, logs: Path, job: str) -> dict:
     assert fields["NodeList"] == "n[1-2]" and fields["NumTasks"] == "2", fields
     assert "2 nodes x 1 tasks, 0 GPUs per node, trainer=ddp_multinode_cpu" in out, out[-3000:]
     assert sorted(p.name for p in (logs / "train" / "runs").glob(f"slurm_{job}*")) == [f"slurm_{job}"]
-    assert sorted(p.name for p in (run_dir(logs, job) / "hang" / "heartbeat").iterdir()) == ["rank0.json",
-                                                                                           "rank1.json"]
+    assert sorted(p.name for p in (run_dir(logs, job) / "hang" / "heartbeat").iterdir()) == ["rank0.json", "rank1.json"]
     return final_state(logs, job)
 
 
@@ -151,8 +173,7 @@ def test_usr1_before_the_time_limit_saves_requeues_and_resumes_to_the_same_weigh
 
 
 @pytest.mark.timeout(600)
-def test_scontrol_requeue_stops_every_rank_and_the_requeued_job_resumes_to_the_same_weights(cluster, logs,
-                                                                                             reference):
+def test_scontrol_requeue_stops_every_rank_and_the_requeued_job_resumes_to_the_same_weights(cluster, logs, reference):
     job = cluster.sbatch(*EXACT, log_dir=logs)
     cluster.wait_for(run_dir(logs, job) / "checkpoints" / "epoch_000.ckpt", job, timeout=240)
     cluster.run("scontrol", "requeue", job)  # SIGTERM to every task and the batch shell; SLURM requeues the job
@@ -170,9 +191,14 @@ def test_scontrol_requeue_stops_every_rank_and_the_requeued_job_resumes_to_the_s
 
 @pytest.mark.timeout(300)
 def test_a_task_killed_mid_run_fails_the_job_and_the_survivor_names_the_dead_rank(cluster, logs):
-    job = cluster.sbatch(*EXACT, "+callbacks.fault._target_=lit_template.testing.faults.FaultInjection",
-                         "+callbacks.fault.action=kill", "+callbacks.fault.rank=1", "+callbacks.fault.step=12",
-                         log_dir=logs)
+    job = cluster.sbatch(
+        *EXACT,
+        "+callbacks.fault._target_=lit_template.testing.faults.FaultInjection",
+        "+callbacks.fault.action=kill",
+        "+callbacks.fault.rank=1",
+        "+callbacks.fault.step=12",
+        log_dir=logs,
+    )
     fields = cluster.wait(job, timeout=240)
     out = cluster.output(job)
     assert fields["JobState"] == "FAILED" and fields["ExitCode"] != "0:0", f"{fields}\n{out[-4000:]}"
@@ -184,10 +210,23 @@ def test_a_task_killed_mid_run_fails_the_job_and_the_survivor_names_the_dead_ran
 
 @pytest.mark.timeout(400)
 def test_a_submitit_sweep_of_two_ddp_jobs_on_cpu_nodes_finishes_with_its_summary(cluster, tmp_path):
-    cmd = [sys.executable, "train.py", "-m", "launcher=slurm", "trainer=ddp_multinode_cpu", "trainer.num_nodes=2",
-           "trainer.devices=1", "model.optimizer.lr=0.001,0.01", "trainer.max_epochs=1", "test=false",
-           "callbacks.rich_progress_bar=null", "extras.print_config=false", "hydra.launcher.cpus_per_task=1",
-           "hydra.launcher.mem_gb=null", f"paths.log_dir={tmp_path}"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "-m",
+        "launcher=slurm",
+        "trainer=ddp_multinode_cpu",
+        "trainer.num_nodes=2",
+        "trainer.devices=1",
+        "model.optimizer.lr=0.001,0.01",
+        "trainer.max_epochs=1",
+        "test=false",
+        "callbacks.rich_progress_bar=null",
+        "extras.print_config=false",
+        "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.mem_gb=null",
+        f"paths.log_dir={tmp_path}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     (sweep,) = (tmp_path / "train" / "multiruns").iterdir()

@@ -9,8 +9,14 @@ import pytest
 import yaml
 
 TESTS = str(Path(__file__).resolve().parent)
-TINY = ["trainer.max_epochs=1", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2", "test=false",
-        "extras.print_config=false", "callbacks.rich_progress_bar=null"]
+TINY = [
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=4",
+    "trainer.limit_val_batches=2",
+    "test=false",
+    "extras.print_config=false",
+    "callbacks.rich_progress_bar=null",
+]
 
 
 def sweep_dir(run) -> Path:
@@ -28,8 +34,11 @@ def test_grid_sweep_2x2_runs_four_jobs_and_summarises_them(train):
     assert [j["job"] for j in summary["jobs"]] == [0, 1, 2, 3]
     assert all(j["status"] == "completed" and 0.0 <= j["value"] <= 1.0 for j in summary["jobs"])
     assert {tuple(j["swept"]) for j in summary["jobs"]} == {
-        ("model.optimizer.lr=0.001", "data.batch_size=32"), ("model.optimizer.lr=0.001", "data.batch_size=64"),
-        ("model.optimizer.lr=0.01", "data.batch_size=32"), ("model.optimizer.lr=0.01", "data.batch_size=64")}
+        ("model.optimizer.lr=0.001", "data.batch_size=32"),
+        ("model.optimizer.lr=0.001", "data.batch_size=64"),
+        ("model.optimizer.lr=0.01", "data.batch_size=32"),
+        ("model.optimizer.lr=0.01", "data.batch_size=64"),
+    }
     for job in range(4):
         assert (root / str(job) / "checkpoints" / "last.ckpt").is_file()
     assert "best: job" in run.output and (root / "summary.md").is_file()
@@ -41,9 +50,17 @@ def test_grid_sweep_2x2_runs_four_jobs_and_summarises_them(train):
 @pytest.mark.timeout(400)
 def test_a_failed_job_is_reported_and_the_sweep_goes_on_in_parallel_jobs(train):
     # launcher=joblib: the two jobs run at once in worker processes; results still reach the summary (through files)
-    run = train("-m", "launcher=joblib", "hydra.launcher.n_jobs=2", "model.optimizer.lr=0.001,5.0",
-                "+callbacks.fail._target_=support_callbacks.FailAboveLR",
-                "+callbacks.fail.threshold=1.0", *TINY, env={"PYTHONPATH": TESTS}, timeout=380)
+    run = train(
+        "-m",
+        "launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "model.optimizer.lr=0.001,5.0",
+        "+callbacks.fail._target_=support_callbacks.FailAboveLR",
+        "+callbacks.fail.threshold=1.0",
+        *TINY,
+        env={"PYTHONPATH": TESTS},
+        timeout=380,
+    )
     assert "Joblib.Parallel(n_jobs=2" in run.output
     jobs = json.loads((sweep_dir(run) / "summary.json").read_text())["jobs"]
     assert [j["status"] for j in jobs] == ["completed", "failed"]
@@ -58,14 +75,17 @@ def test_summary_direction_picks_the_best_job(tmp_path):
 
     for job, value in enumerate([0.5, 0.2, 0.9]):
         (tmp_path / str(job)).mkdir()
-        (tmp_path / str(job) / RESULT_FILE).write_text(json.dumps(
-            {"job": job, "overrides": [f"seed={job}"], "metric": "val/loss", "value": value, "status": "completed"}))
+        (tmp_path / str(job) / RESULT_FILE).write_text(
+            json.dumps(
+                {"job": job, "overrides": [f"seed={job}"], "metric": "val/loss", "value": value, "status": "completed"}
+            )
+        )
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}, "sweeper": {}}})
     SweepSummary(direction="minimize").on_multirun_end(config)
     assert json.loads((tmp_path / "summary.json").read_text())["best_job"] == 1
     SweepSummary().on_multirun_end(config)  # a grid sweeper has no direction: maximize
     assert json.loads((tmp_path / "summary.json").read_text())["best_job"] == 2
-    with pytest.raises(ValueError, match="sweep_summary.direction='lowest'"):
+    with pytest.raises(ValueError, match=r"sweep_summary\.direction='lowest'"):
         SweepSummary(direction="lowest")
 
 
@@ -78,8 +98,15 @@ def test_slurm_launcher_with_all_gpus_fails_before_submitting(train):
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_optuna_sweep_returns_the_best_value(train):
-    run = train("-m", "hparams_search=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=5", "hydra.sweeper.sampler.n_startup_trials=2",
-                *TINY, timeout=480)
+    run = train(
+        "-m",
+        "hparams_search=optuna",
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.sampler.seed=5",
+        "hydra.sweeper.sampler.n_startup_trials=2",
+        *TINY,
+        timeout=480,
+    )
     root = sweep_dir(run)
     results = yaml.safe_load((root / "optimization_results.yaml").read_text())
     values = [j["value"] for j in json.loads((root / "summary.json").read_text())["jobs"]]
@@ -93,10 +120,18 @@ def test_optuna_sweep_returns_the_best_value(train):
 def test_optuna_counts_a_failed_trial_as_failed_and_goes_on(train):
     # The shipped search (TPE: its first trials sample at random) with lr narrowed to two values; the test callback
     # fails lr=5.0, which seed 5 draws first. The study records the failed trial and goes on.
-    run = train("-m", "hparams_search=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.seed=5",
-                "hydra.sweeper.params={model.optimizer.lr:'choice(0.001, 5.0)'}",
-                "+callbacks.fail._target_=support_callbacks.FailAboveLR", "+callbacks.fail.threshold=1.0",
-                *TINY, env={"PYTHONPATH": TESTS}, timeout=480)
+    run = train(
+        "-m",
+        "hparams_search=optuna",
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.sampler.seed=5",
+        "hydra.sweeper.params={model.optimizer.lr:'choice(0.001, 5.0)'}",
+        "+callbacks.fail._target_=support_callbacks.FailAboveLR",
+        "+callbacks.fail.threshold=1.0",
+        *TINY,
+        env={"PYTHONPATH": TESTS},
+        timeout=480,
+    )
     root = sweep_dir(run)
     jobs = json.loads((root / "summary.json").read_text())["jobs"]
     statuses = [j["status"] for j in jobs]
@@ -111,14 +146,22 @@ def test_optuna_counts_a_failed_trial_as_failed_and_goes_on(train):
 def test_optuna_sweep_of_ddp_trials(train):
     # hparams_search=optuna sets hydra.mode=MULTIRUN in its config: rank 1 of each trial, which Lightning starts by
     # re-running the job's overrides, must run that one trial, not a study of its own
-    run = train("-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "trainer=ddp_cpu",
-                "trainer.strategy.timeout.seconds=60", *TINY, timeout=280)
+    run = train(
+        "-m",
+        "hparams_search=optuna",
+        "hydra.sweeper.n_trials=2",
+        "trainer=ddp_cpu",
+        "trainer.strategy.timeout.seconds=60",
+        *TINY,
+        timeout=280,
+    )
     root = sweep_dir(run)
     jobs = json.loads((root / "summary.json").read_text())["jobs"]
     assert [j["status"] for j in jobs] == ["completed", "completed"], jobs
     assert run.output.count("Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2") == 2
     assert yaml.safe_load((root / "optimization_results.yaml").read_text())["best_value"] == pytest.approx(
-        max(j["value"] for j in jobs))
+        max(j["value"] for j in jobs)
+    )
     assert sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.isdigit()) == ["0", "1"]
     assert not list(run.log_dir.glob("train/runs/*")) and len(list(run.log_dir.glob("train/multiruns/*"))) == 1
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-FAST = ["trainer.max_epochs=1", "trainer.limit_train_batches=5", "trainer.limit_val_batches=2",
-        "trainer.limit_test_batches=2"]
+FAST = [
+    "trainer.max_epochs=1",
+    "trainer.limit_train_batches=5",
+    "trainer.limit_val_batches=2",
+    "trainer.limit_test_batches=2",
+]
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn", "resnet18"])
@@ -56,8 +60,7 @@ def test_resume_from_last_ckpt_continues_the_run(train, tmp_path):
     first = train("trainer.max_epochs=2", "test=false", timeout=180)
     last = first.run_dir() / "checkpoints" / "last.ckpt"
     step_after_2 = torch.load(last, weights_only=True)["global_step"]
-    second = train("trainer.max_epochs=3", "test=false", f"ckpt_path={last}", timeout=180,
-                   log_dir=tmp_path / "logs2")
+    second = train("trainer.max_epochs=3", "test=false", f"ckpt_path={last}", timeout=180, log_dir=tmp_path / "logs2")
     resumed = torch.load(second.run_dir() / "checkpoints" / "last.ckpt", weights_only=True)
     assert resumed["epoch"] == 2 and resumed["global_step"] == step_after_2 * 3 // 2
     epochs = {r["epoch"] for r in second.metrics() if r.get("train/loss")}
@@ -83,8 +86,10 @@ def test_eval_tests_a_checkpoint(train, evaluate):
     # another model config than the checkpoint's: one line naming what it was trained with
     wrong = evaluate(f"ckpt_path={ckpt}", "model=cnn", check=False, timeout=180)
     assert wrong.returncode == 2 and "Traceback" not in wrong.output, wrong.output[-3000:]
-    assert "the checkpoint's weights do not fit this config (model=cnn data=digits); it was trained with model=mlp " \
-           "data=digits" in wrong.output
+    assert (
+        "the checkpoint's weights do not fit this config (model=cnn data=digits); it was trained with model=mlp "
+        "data=digits" in wrong.output
+    )
 
 
 def test_experiment_config_runs(train):

@@ -65,11 +65,17 @@ def check_checkpoint_callbacks(callbacks: list[Any]) -> None:
 
     owners = {str(cb.dirpath) for cb in callbacks if isinstance(cb, LastCheckpoint)}
     for cb in callbacks:
-        if isinstance(cb, ModelCheckpoint) and not isinstance(cb, LastCheckpoint) and cb.save_last \
-                and str(cb.dirpath) in owners:
-            raise ConfigError(f"a ModelCheckpoint (monitor={cb.monitor!r}) has save_last={cb.save_last!r} in "
-                              f"{cb.dirpath}, where callbacks.last_checkpoint writes {LAST}: set its save_last=false "
-                              "(last_checkpoint keeps last.ckpt current), or callbacks.last_checkpoint=null")
+        if (
+            isinstance(cb, ModelCheckpoint)
+            and not isinstance(cb, LastCheckpoint)
+            and cb.save_last
+            and str(cb.dirpath) in owners
+        ):
+            raise ConfigError(
+                f"a ModelCheckpoint (monitor={cb.monitor!r}) has save_last={cb.save_last!r} in "
+                f"{cb.dirpath}, where callbacks.last_checkpoint writes {LAST}: set its save_last=false "
+                "(last_checkpoint keeps last.ckpt current), or callbacks.last_checkpoint=null"
+            )
 
 
 def check_checkpoint(path: Path, option: str = "ckpt_path", value: object = None) -> str:
@@ -87,15 +93,20 @@ def check_checkpoint(path: Path, option: str = "ckpt_path", value: object = None
     except Exception as err:  # noqa: BLE001  (torch raises many types for a file that is not its own)
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if "weights_only" in str(err) or "Weights only load failed" in str(err):
-            reason = ("it holds objects other than tensors and plain values, which safe loading (weights_only=True) "
-                      "refuses to unpickle")
+            reason = (
+                "it holds objects other than tensors and plain values, which safe loading (weights_only=True) "
+                "refuses to unpickle"
+            )
         raise ConfigError(
             f"{shown}: {path} is not a checkpoint this template can load safely ({reason}); "
             f"give a .ckpt written by train.py, or null to start fresh"
         ) from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        found = f"a dict with keys {sorted(map(str, checkpoint))[:6]}" if isinstance(checkpoint, dict) else \
-            type(checkpoint).__name__
+        found = (
+            f"a dict with keys {sorted(map(str, checkpoint))[:6]}"
+            if isinstance(checkpoint, dict)
+            else type(checkpoint).__name__
+        )
         raise ConfigError(
             f"{shown}: {path} is a torch file but not a Lightning checkpoint (no 'state_dict'; found {found}); "
             f"give a .ckpt written by train.py"
@@ -160,11 +171,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise
         _fsync_dir(target.parent)
 
-    def load_checkpoint(self, path: Any, map_location: Any = lambda storage, loc: storage,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         # safe loading unless the caller asks otherwise: tensors and plain values only, no code runs on load
-        return super().load_checkpoint(path, map_location=map_location,
-                                       weights_only=True if weights_only is None else weights_only)
+        return super().load_checkpoint(
+            path, map_location=map_location, weights_only=True if weights_only is None else weights_only
+        )
 
 
 def _fsync_dir(path: Path) -> None:

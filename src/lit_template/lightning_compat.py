@@ -8,7 +8,8 @@ method override rather than a call: ``distributed.comm.CommDDPStrategy`` overrid
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -55,7 +56,7 @@ def is_last_batch_of_epoch(trainer: L.Trainer) -> bool:
 
 def strategy_timeout_s(trainer: L.Trainer) -> float | None:
     """The process group's timeout (``trainer.strategy.timeout``), which Lightning keeps only as ``_timeout``."""
-    timeout: Any = getattr(trainer.strategy, "_timeout", None)
+    timeout: Any = getattr(getattr(trainer, "strategy", None), "_timeout", None)
     return timeout.total_seconds() if hasattr(timeout, "total_seconds") else None
 
 
@@ -126,8 +127,12 @@ def register_ddp_comm_hook(strategy: Any) -> None:
     on CUDA only, a guard older than gloo's support for comm hooks (fp16/bf16 all-reduce included)."""
     from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 
-    _register_ddp_comm_hook(model=strategy.model, ddp_comm_state=strategy._ddp_comm_state,
-                            ddp_comm_hook=strategy._ddp_comm_hook, ddp_comm_wrapper=strategy._ddp_comm_wrapper)
+    _register_ddp_comm_hook(
+        model=strategy.model,
+        ddp_comm_state=strategy._ddp_comm_state,
+        ddp_comm_hook=strategy._ddp_comm_hook,
+        ddp_comm_wrapper=strategy._ddp_comm_wrapper,
+    )
 
 
 def model_averaging_period(strategy: Any) -> int | None:
@@ -137,7 +142,8 @@ def model_averaging_period(strategy: Any) -> int | None:
 
 def flight_recorder_dump(backend: str) -> Callable[[], bytes] | None:
     """PyTorch's flight recorder dump for this process's groups (the pickle ``torchfrtrace`` reads): torch exposes it
-    only as ``torch._C._distributed_c10d._dump_nccl_trace`` (NCCL) / ``_dump_fr_trace`` (any backend). None if absent."""
+    only as ``torch._C._distributed_c10d._dump_nccl_trace`` (NCCL) / ``_dump_fr_trace`` (any backend). None if
+    absent."""
     from torch._C import _distributed_c10d as c10d
 
     if backend == "nccl" and hasattr(c10d, "_dump_nccl_trace"):

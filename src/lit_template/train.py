@@ -41,8 +41,14 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     check_checkpoint_callbacks(callbacks)
     loggers = instantiate_loggers(cfg.get("logger"))
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
-    return {"cfg": cfg, "datamodule": datamodule, "model": model, "callbacks": callbacks, "loggers": loggers,
-            "trainer": trainer}
+    return {
+        "cfg": cfg,
+        "datamodule": datamodule,
+        "model": model,
+        "callbacks": callbacks,
+        "loggers": loggers,
+        "trainer": trainer,
+    }
 
 
 @rank_zero_only
@@ -51,8 +57,13 @@ def log_hyperparameters(objects: dict[str, Any]) -> None:
     if not trainer.loggers:
         return
     hparams = {
-        "model": cfg.model, "data": cfg.data, "trainer": cfg.trainer, "seed": cfg.get("seed"),
-        "ckpt_path": cfg.get("ckpt_path"), "task_name": cfg.get("task_name"), "tags": cfg.get("tags"),
+        "model": cfg.model,
+        "data": cfg.data,
+        "trainer": cfg.trainer,
+        "seed": cfg.get("seed"),
+        "ckpt_path": cfg.get("ckpt_path"),
+        "task_name": cfg.get("task_name"),
+        "tags": cfg.get("tags"),
         "model/params/total": sum(p.numel() for p in model.parameters()),
         "model/params/trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }

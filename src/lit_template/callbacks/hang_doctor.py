@@ -98,8 +98,13 @@ class HangDoctor(L.Callback):
         rank = trainer.global_rank
         stall_timeout_s = self._effective_stall_timeout(trainer)
         config = WatchdogConfig(
-            global_rank=rank, world_size=trainer.world_size, hang_dir=hang_dir, stall_timeout_s=stall_timeout_s,
-            on_stall=self.on_stall, heartbeat_interval_s=self.heartbeat_interval_s, grace_s=self.grace_s,
+            global_rank=rank,
+            world_size=trainer.world_size,
+            hang_dir=hang_dir,
+            stall_timeout_s=stall_timeout_s,
+            on_stall=self.on_stall,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            grace_s=self.grace_s,
             exit_code=self.exit_code,
         )
         if self.flight_recorder:
@@ -118,9 +123,12 @@ class HangDoctor(L.Callback):
             return self.stall_timeout_s
         used = pg_timeout_s / 2
         if trainer.is_global_zero:
-            say(f"hang doctor: callbacks.hang_doctor.stall_timeout_s={self.stall_timeout_s:g} is not below "
+            say(
+                f"hang doctor: callbacks.hang_doctor.stall_timeout_s={self.stall_timeout_s:g} is not below "
                 f"trainer.strategy.timeout ({pg_timeout_s:g} s), which would end a hang first without naming the rank: "
-                f"using {used:g} s", logging.INFO)
+                f"using {used:g} s",
+                logging.INFO,
+            )
         return used
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -139,18 +147,27 @@ class HangDoctor(L.Callback):
         deferred = SignalRecorder([signal.SIGTERM])
         deferred.install()
         try:
-            silent = silent_ranks(watchdog.heartbeat_dir, trainer.world_size, trainer.global_rank,
-                                  self.heartbeat_interval_s)
+            silent = silent_ranks(
+                watchdog.heartbeat_dir, trainer.world_size, trainer.global_rank, self.heartbeat_interval_s
+            )
         finally:
             deferred.uninstall()
         now = time.time()
         sentence = lost_peer_sentence(trainer.global_rank, trainer.global_step, exception, silent, now)
         say(sentence, logging.ERROR)
-        write_json(watchdog.cfg.hang_dir / f"lost_peer.rank{trainer.global_rank}.json", {
-            "kind": "lost_peer", "global_step": trainer.global_step, "global_rank": trainer.global_rank,
-            "ranks": sorted(silent), "error": f"{type(exception).__name__}: {exception}"[:2000],
-            "heartbeats": {str(r): dataclasses.asdict(b) if b else None for r, b in silent.items()},
-            "sentence": sentence, "time_unix": round(now, 3)})
+        write_json(
+            watchdog.cfg.hang_dir / f"lost_peer.rank{trainer.global_rank}.json",
+            {
+                "kind": "lost_peer",
+                "global_step": trainer.global_step,
+                "global_rank": trainer.global_rank,
+                "ranks": sorted(silent),
+                "error": f"{type(exception).__name__}: {exception}"[:2000],
+                "heartbeats": {str(r): dataclasses.asdict(b) if b else None for r, b in silent.items()},
+                "sentence": sentence,
+                "time_unix": round(now, 3),
+            },
+        )
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._stop("stopped")
@@ -172,8 +189,9 @@ class HangDoctor(L.Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._mark("train_epoch_start")
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._mark("train_batch_start")
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
@@ -185,8 +203,9 @@ class HangDoctor(L.Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self._mark("before_optimizer_step")
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._mark("train_batch_end")
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -195,12 +214,20 @@ class HangDoctor(L.Callback):
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._mark("validation_start")
 
-    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._mark("validation_batch_start")
 
-    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                                batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._mark("validation_batch_end")
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -235,5 +262,5 @@ def _last_collective(data: bytes) -> str | None:
         status = record.get("pg_status", {}).get(str(last.get("pg_id", 0)), {})
         done = status.get("last_completed_collective")
         return f"#{last.get('collective_seq_id')} {last.get('profiling_name')} enqueued, #{done} completed"
-    except Exception:  # a format change must not cost us the rest of the report
+    except Exception:  # noqa: BLE001  (a format change must not cost us the rest of the report)
         return None

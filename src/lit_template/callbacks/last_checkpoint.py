@@ -45,14 +45,27 @@ class LastCheckpoint(ModelCheckpoint):
 
     def __init__(self, dirpath: str, every_n_train_steps: int = 0, every_n_minutes: float | None = None) -> None:
         if isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) or every_n_train_steps < 0:
-            raise ConfigError(f"callbacks.last_checkpoint.every_n_train_steps={every_n_train_steps!r}: use a whole "
-                              "number >= 0 (0: only at epoch ends)")
-        if every_n_minutes is not None and not (isinstance(every_n_minutes, (int, float)) and every_n_minutes > 0
-                                                and math.isfinite(every_n_minutes)):
-            raise ConfigError(f"callbacks.last_checkpoint.every_n_minutes={every_n_minutes!r}: use a number of "
-                              "minutes > 0, or null (off)")
-        super().__init__(dirpath=dirpath, filename=NAME, monitor=None, save_top_k=1, save_last=False, every_n_epochs=1,
-                         enable_version_counter=False, auto_insert_metric_name=False)
+            raise ConfigError(
+                f"callbacks.last_checkpoint.every_n_train_steps={every_n_train_steps!r}: use a whole "
+                "number >= 0 (0: only at epoch ends)"
+            )
+        if every_n_minutes is not None and not (
+            isinstance(every_n_minutes, (int, float)) and every_n_minutes > 0 and math.isfinite(every_n_minutes)
+        ):
+            raise ConfigError(
+                f"callbacks.last_checkpoint.every_n_minutes={every_n_minutes!r}: use a number of "
+                "minutes > 0, or null (off)"
+            )
+        super().__init__(
+            dirpath=dirpath,
+            filename=NAME,
+            monitor=None,
+            save_top_k=1,
+            save_last=False,
+            every_n_epochs=1,
+            enable_version_counter=False,
+            auto_insert_metric_name=False,
+        )
         self.every_n_train_steps = every_n_train_steps
         self.every_n_minutes = every_n_minutes
         self._vote: StepVote | None = None
@@ -75,15 +88,18 @@ class LastCheckpoint(ModelCheckpoint):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         if load_pending_dataloader_state(trainer):
-            rank_zero_info("last checkpoint: loaded the train dataloader's position from the checkpoint, which "
-                           "Lightning had skipped (#20550: estimated_stepping_batches read before the restore)")
+            rank_zero_info(
+                "last checkpoint: loaded the train dataloader's position from the checkpoint, which "
+                "Lightning had skipped (#20550: estimated_stepping_batches read before the restore)"
+            )
         self._step_seen = trainer.global_step
         self._saved_at = time.monotonic()
         if self.every_n_minutes is not None:
             self._vote = StepVote(trainer.world_size, trainer.global_rank)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if step == self._step_seen:  # accumulating gradients: no optimizer step yet
             return

@@ -83,8 +83,9 @@ class NonFiniteGuard(L.Callback):
         # Called once per micro-batch: with gradient accumulation one bad micro-batch makes the step bad.
         self._losses.append(loss.detach().float().sum())
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
-                                 optimizer: torch.optim.Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         device = pl_module.device
         # device-side constants are filled on the device (torch.tensor(value, device=...) would be a host copy)
         minus_one = torch.full((), -1.0, dtype=torch.float64, device=device)
@@ -116,8 +117,13 @@ class NonFiniteGuard(L.Callback):
         what, ranks = ("loss", loss_ranks) if loss_ranks else ("grad", grad_ranks)
         tensor = names[int(flags[ranks[0], 2])] if what == "grad" else None
         event = NonFiniteEvent(
-            kind="nonfinite", global_step=trainer.global_step, ranks=ranks, what=what, tensor=tensor,
-            loss={str(r): float(flags[r, 3]) for r in range(flags.shape[0])}, action=self.on_nonfinite,
+            kind="nonfinite",
+            global_step=trainer.global_step,
+            ranks=ranks,
+            what=what,
+            tensor=tensor,
+            loss={str(r): float(flags[r, 3]) for r in range(flags.shape[0])},
+            action=self.on_nonfinite,
         )
         self._report(trainer, event)
         if self.on_nonfinite == "stop":

@@ -43,8 +43,10 @@ class PreemptionRecord:
 
     def sentence(self) -> str:
         who = ", ".join(f"global rank {r} got {self.signals[str(r)]}" for r in self.ranks)
-        head = (f"preemption: {who}; every rank stopped at global step {self.global_step} with "
-                f"{self.checkpoint} holding step {self.checkpoint_step}")
+        head = (
+            f"preemption: {who}; every rank stopped at global step {self.global_step} with "
+            f"{self.checkpoint} holding step {self.checkpoint_step}"
+        )
         if self.requeued:
             tail = f"requeued SLURM job {self.slurm_job}: it resumes from there (ckpt_path=auto)"
         elif self.slurm_job and self.requeue_message:
@@ -86,8 +88,9 @@ class Preemption(L.Callback):
         kill -TERM <pid of rank 0>           # any launcher: save at the next step and exit
     """
 
-    def __init__(self, signals: list[str] = ("SIGUSR1", "SIGTERM"), requeue_on: list[str] = ("SIGUSR1",),
-                 exit_code: int = 0) -> None:
+    def __init__(
+        self, signals: list[str] = ("SIGUSR1", "SIGTERM"), requeue_on: list[str] = ("SIGUSR1",), exit_code: int = 0
+    ) -> None:
         self.signals = [signal_number(s, f"{OPTION}.signals") for s in signals]
         self.requeue_on = {signal_number(s, f"{OPTION}.requeue_on") for s in requeue_on}
         if not self.signals:
@@ -108,8 +111,10 @@ class Preemption(L.Callback):
             return
         found = [cb for cb in trainer.callbacks if isinstance(cb, LastCheckpoint)]
         if not found:
-            raise ConfigError(f"{OPTION} saves through callbacks.last_checkpoint, which is off: turn it on, or set "
-                              f"{OPTION}=null (then Lightning's own signal handling applies)")
+            raise ConfigError(
+                f"{OPTION} saves through callbacks.last_checkpoint, which is off: turn it on, or set "
+                f"{OPTION}=null (then Lightning's own signal handling applies)"
+            )
         self._last = found[0]
         disable_lightning_signal_handling(trainer)
         # before Lightning would have registered its handlers, so a signal during set-up or the sanity check counts
@@ -125,8 +130,9 @@ class Preemption(L.Callback):
             self._recorder.uninstall()
 
     # -- the step boundary -------------------------------------------------------------------------------------
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._exit_before_next_batch:
             return
         # a stop agreed at the previous epoch's last batch: the epoch's save (after validation) is what resumes
@@ -136,8 +142,9 @@ class Preemption(L.Callback):
         else:  # no epoch save happened (validation every n epochs): save here, before the batch runs
             self._save_and_exit(trainer)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if step == self._step_seen or self._agreed:
             return
@@ -185,9 +192,14 @@ class Preemption(L.Callback):
             self._vote = None
         ranks = sorted(self._agreed)
         record = PreemptionRecord(
-            kind="preemption", global_step=trainer.global_step, ranks=ranks,
-            signals={str(r): signal_name(self._agreed[r]) for r in ranks}, checkpoint=str(self._last.path),
-            checkpoint_step=self._last.saved_at_step, exit_code=self.exit_code)
+            kind="preemption",
+            global_step=trainer.global_step,
+            ranks=ranks,
+            signals={str(r): signal_name(self._agreed[r]) for r in ranks},
+            checkpoint=str(self._last.path),
+            checkpoint_step=self._last.saved_at_step,
+            exit_code=self.exit_code,
+        )
         if trainer.is_global_zero:
             job = SlurmJob.from_env()
             if job is not None:

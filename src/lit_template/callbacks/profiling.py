@@ -6,7 +6,7 @@ On by default in light mode (cheap timers, one small all_gather per log interval
     python train.py callbacks.profiling=null                                   # off
 
 Per optimizer step (all micro-batches of an accumulated step together; sanity check and validation excluded):
-step time, data wait (the time inside the training dataloader's next()), samples (and tokens), time to the gradient sync.
+step time, data wait (DATA_WAIT in diagnostics/profiling/timer.py), samples (and tokens), time to the gradient sync.
 Every ``log_every_n_steps`` each rank's window is gathered; rank zero logs ``perf/*``, names the slowest rank
 (``reports/stragglers.jsonl``), and at the end of fit writes ``reports/profile.{json,md,png}``.
 """
@@ -18,9 +18,10 @@ import math
 import time
 from array import array
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import lightning as L
 import torch
@@ -108,8 +109,9 @@ class ProfilingCallback(L.Callback):
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ConfigError(f"{OPTION}.log_every_n_steps must be >= 1 (or null: the trainer's), "
-                              f"got {log_every_n_steps}")
+            raise ConfigError(
+                f"{OPTION}.log_every_n_steps must be >= 1 (or null: the trainer's), got {log_every_n_steps}"
+            )
         if peak_flops is not None and not peak_flops > 0:
             raise ConfigError(f"{OPTION}.peak_flops must be a positive FLOP/s per device (or null), got {peak_flops}")
         self.trace = _options(TraceConfig, "trace", trace)
@@ -168,8 +170,10 @@ class ProfilingCallback(L.Callback):
         self._every = self.log_every_n_steps or trainer.log_every_n_steps or 50
         on_cuda = self._device.type == "cuda"
         if self.memory_snapshot.enabled and not on_cuda:
-            raise ConfigError(f"{OPTION}.memory_snapshot.enabled=true needs a CUDA device; this run is on "
-                              f"{self._device.type}: set it to false or use a GPU trainer")
+            raise ConfigError(
+                f"{OPTION}.memory_snapshot.enabled=true needs a CUDA device; this run is on "
+                f"{self._device.type}: set it to false or use a GPU trainer"
+            )
         self._timer = StepTimer(CudaClock(self._device) if on_cuda else CpuClock(self._now))
         import psutil
 
@@ -186,8 +190,10 @@ class ProfilingCallback(L.Callback):
         dtype = compute_dtype(trainer)
         peak = get_available_flops(self._device, dtype)
         if peak is None:
-            self._say_rank_zero(f"profiling: MFU is not reported: Lightning has no peak FLOP/s for "
-                                f"{torch.cuda.get_device_name(self._device)!r} in {dtype}; set {OPTION}.peak_flops")
+            self._say_rank_zero(
+                f"profiling: MFU is not reported: Lightning has no peak FLOP/s for "
+                f"{torch.cuda.get_device_name(self._device)!r} in {dtype}; set {OPTION}.peak_flops"
+            )
         return float(peak) if peak else None
 
     # -- the loop -----------------------------------------------------------------------------------------------------
@@ -208,8 +214,9 @@ class ProfilingCallback(L.Callback):
         if not trainer.sanity_checking and self._timer is not None:
             self._timer.pause()
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._peak_flops and self._flops_per_sample is None and self._flop_counter is None:
             from torch.utils.flop_counter import FlopCounterMode
 
@@ -226,8 +233,9 @@ class ProfilingCallback(L.Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self._stop_flop_counter()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._flop_counter is not None:
             self._stop_flop_counter()
         step = trainer.global_step
@@ -287,8 +295,10 @@ class ProfilingCallback(L.Callback):
 
         model = trainer.strategy.model
         if isinstance(model, DistributedDataParallel):
-            self._hooks = [model.register_forward_pre_hook(lambda *_: self._timer.forward_enter()),
-                           model.module.register_forward_pre_hook(lambda *_: self._timer.forward_synced())]
+            self._hooks = [
+                model.register_forward_pre_hook(lambda *_: self._timer.forward_enter()),
+                model.module.register_forward_pre_hook(lambda *_: self._timer.forward_synced()),
+            ]
 
     def _hook_fetch(self, trainer: L.Trainer) -> None:
         """Time the training loop's fetch of each batch: that, not the whole gap between two batches (other
@@ -333,8 +343,10 @@ class ProfilingCallback(L.Callback):
             ranks = [mine]
         if trainer.is_global_zero:
             straggler = find_straggler(trainer.global_step, ranks)
-            self._on_window(trainer, GlobalWindow(trainer.global_step, ranks, straggler, self._flops_per_sample or None,
-                                                  self._peak_flops))
+            self._on_window(
+                trainer,
+                GlobalWindow(trainer.global_step, ranks, straggler, self._flops_per_sample or None, self._peak_flops),
+            )
 
     def _on_window(self, trainer: L.Trainer, window: GlobalWindow) -> None:
         """Rank zero: keep the window, log its figures, say what needs saying."""
@@ -377,27 +389,38 @@ class ProfilingCallback(L.Callback):
     def _report_straggler(self, trainer: L.Trainer, window: GlobalWindow) -> None:
         s = window.straggler
         record = {
-            "kind": "straggler", "global_step": window.step, "ranks": [s.global_rank], "world_size": self._world_size,
-            "slowest_global_rank": s.global_rank, "lag_ms": s.lag_s * 1e3, "lag_pct": s.lag_pct,
+            "kind": "straggler",
+            "global_step": window.step,
+            "ranks": [s.global_rank],
+            "world_size": self._world_size,
+            "slowest_global_rank": s.global_rank,
+            "lag_ms": s.lag_s * 1e3,
+            "lag_pct": s.lag_pct,
             "wait_for_slowest_ms_mean": s.wait_for_slowest_s_mean * 1e3,
             "pre_sync_ms_mean": {str(r.global_rank): r.window.pre_sync_s_mean * 1e3 for r in window.ranks},
             "step_time_ms_p50": {str(r.global_rank): r.window.step_time_s_p50 * 1e3 for r in window.ranks},
         }
         append_jsonl(reports_dir(trainer) / "stragglers.jsonl", record)
         if s.lag_pct >= self.straggler_warn_pct:
-            say(f"straggler: global rank {s.global_rank} was the slowest rank up to step {window.step}: it reached the "
+            say(
+                f"straggler: global rank {s.global_rank} was the slowest rank up to step {window.step}: it reached the "
                 f"gradient sync {s.lag_s * 1e3:.1f} ms ({s.lag_pct:.0f}% of a step) after the median of the other "
-                f"ranks, who waited for it.")
+                f"ranks, who waited for it."
+            )
 
     def _say_memory_problems(self, window: GlobalWindow) -> None:
         retries = sum(r.memory.alloc_retries for r in window.ranks if not math.isnan(r.memory.alloc_retries))
         ooms = sum(r.memory.ooms for r in window.ranks if not math.isnan(r.memory.ooms))
         if retries > self._retries_seen:
-            say(f"memory: {retries - self._retries_seen:.0f} CUDA allocation retries (cache flushes) up to step "
-                f"{window.step}, summed over ranks: memory is near its limit or fragmented.")
+            say(
+                f"memory: {retries - self._retries_seen:.0f} CUDA allocation retries (cache flushes) up to step "
+                f"{window.step}, summed over ranks: memory is near its limit or fragmented."
+            )
         if ooms > self._ooms_seen:
-            say(f"memory: {ooms - self._ooms_seen:.0f} CUDA out-of-memory errors up to step {window.step}, summed over "
-                f"ranks.")
+            say(
+                f"memory: {ooms - self._ooms_seen:.0f} CUDA out-of-memory errors up to step {window.step}, summed over "
+                f"ranks."
+            )
         self._retries_seen, self._ooms_seen = max(retries, self._retries_seen), max(ooms, self._ooms_seen)
 
     # -- traces -------------------------------------------------------------------------------------------------------
@@ -408,8 +431,9 @@ class ProfilingCallback(L.Callback):
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profiler = torch.profiler.profile(
             activities=activities,
-            schedule=torch.profiler.schedule(skip_first=t.skip_first, wait=t.wait, warmup=t.warmup, active=t.active,
-                                             repeat=t.repeat),
+            schedule=torch.profiler.schedule(
+                skip_first=t.skip_first, wait=t.wait, warmup=t.warmup, active=t.active, repeat=t.repeat
+            ),
             on_trace_ready=self._export_trace,
             record_shapes=t.record_shapes,
             profile_memory=t.profile_memory,
@@ -435,8 +459,11 @@ class ProfilingCallback(L.Callback):
         if self._snapshot_taken or self._trainer is None:
             return
         self._snapshot_taken = True
-        path = run_dir(self._trainer) / "traces" / (f"memory_rank{self._global_rank}_step"
-                                                     f"{self._trainer.global_step}.pickle")
+        path = (
+            run_dir(self._trainer)
+            / "traces"
+            / (f"memory_rank{self._global_rank}_step{self._trainer.global_step}.pickle")
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.cuda.memory._dump_snapshot(str(path))
         self._snapshot_files.append(str(path))
@@ -458,7 +485,7 @@ class ProfilingCallback(L.Callback):
             try:
                 plot_profile(out / "profile.png", self._own_steps, self._own_step_ms, self._windows)
                 files["plot"] = str(out / "profile.png")
-            except Exception as err:  # a broken matplotlib install must not fail a finished run
+            except Exception as err:  # noqa: BLE001  (a broken matplotlib install must not fail a finished run)
                 say(f"profiling: the plot was not drawn ({type(err).__name__}: {err})")
         report["files"] = files
         write_json(out / "profile.json", report)
@@ -466,11 +493,15 @@ class ProfilingCallback(L.Callback):
         st, th = report["step_time_ms"], report["throughput"]
         mfu = f", MFU {_num(report['mfu']['mfu_pct'], '.1f')}%" if "mfu" in report else ""
         # A run that failed before its first measured step has no numbers: say so, never fail on formatting them.
-        say(f"profile up to global step {trainer.global_step} (global rank {trainer.global_rank} reporting): "
+        say(
+            f"profile up to global step {trainer.global_step} (global rank {trainer.global_rank} reporting): "
             f"{report['steps_measured']} steps measured, step time p50 {_num(st['p50'], '.2f')} ms (p90 "
-            f"{_num(st['p90'], '.2f')}, max {_num(st['max'], '.2f')}), data wait {_num(report['data_wait']['pct'], '.1f')}%, "
+            f"{_num(st['p90'], '.2f')}, max {_num(st['max'], '.2f')}), data wait "
+            f"{_num(report['data_wait']['pct'], '.1f')}%, "
             f"{_num(th['samples_per_s_global'], '.0f')} samples/s over {self._world_size} rank(s){mfu}; report in "
-            f"{out / 'profile.md'}", level=logging.INFO)
+            f"{out / 'profile.md'}",
+            level=logging.INFO,
+        )
 
     def _build_report(self, trainer: L.Trainer, complete: bool) -> dict[str, Any]:
         nan_to_none = lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else v  # noqa: E731
@@ -491,29 +522,41 @@ class ProfilingCallback(L.Callback):
             "ranks": list(range(self._world_size)),
             "world_size": self._world_size,
             "complete": complete,
-            "device": str(self._device.type if self._device.type != "cuda"
-                          else torch.cuda.get_device_name(self._device)),
+            "device": str(
+                self._device.type if self._device.type != "cuda" else torch.cuda.get_device_name(self._device)
+            ),
             "log_every_n_steps": self._every,
             "accumulate_grad_batches": trainer.accumulate_grad_batches,
             "steps_measured": len(step_ms),
-            "step_time_ms": {"p50": percentile(step_ms, 50), "p90": percentile(step_ms, 90),
-                             "max": max(step_ms, default=math.nan),
-                             "mean": sum(step_ms) / len(step_ms) if step_ms else math.nan},
-            "data_wait": {"ms_per_step": sum(self._own_wait_ms) / len(step_ms) if step_ms else math.nan,
-                          "pct": 100.0 * sum(self._own_wait_ms) / sum(step_ms) if step_ms else math.nan},
-            "throughput": {"samples": samples_global,
-                           "samples_per_s": own["samples"] / own["time_s"] if own and own["time_s"] else math.nan,
-                           "samples_per_s_global": samples_global / time_global if time_global else math.nan},
+            "step_time_ms": {
+                "p50": percentile(step_ms, 50),
+                "p90": percentile(step_ms, 90),
+                "max": max(step_ms, default=math.nan),
+                "mean": sum(step_ms) / len(step_ms) if step_ms else math.nan,
+            },
+            "data_wait": {
+                "ms_per_step": sum(self._own_wait_ms) / len(step_ms) if step_ms else math.nan,
+                "pct": 100.0 * sum(self._own_wait_ms) / sum(step_ms) if step_ms else math.nan,
+            },
+            "throughput": {
+                "samples": samples_global,
+                "samples_per_s": own["samples"] / own["time_s"] if own and own["time_s"] else math.nan,
+                "samples_per_s_global": samples_global / time_global if time_global else math.nan,
+            },
             "memory": {},
             "per_rank": [],
         }
         if tokens_global:
-            report["throughput"].update(tokens=tokens_global, tokens_per_s=own["tokens"] / own["time_s"],
-                                        tokens_per_s_global=tokens_global / time_global)
+            report["throughput"].update(
+                tokens=tokens_global,
+                tokens_per_s=own["tokens"] / own["time_s"],
+                tokens_per_s_global=tokens_global / time_global,
+            )
         if self._flops_per_sample and self._peak_flops and time_global:
             report["mfu"] = {
-                "mfu_pct": mfu_pct(self._flops_per_sample, samples_global / time_global / self._world_size,
-                                   self._peak_flops),
+                "mfu_pct": mfu_pct(
+                    self._flops_per_sample, samples_global / time_global / self._world_size, self._peak_flops
+                ),
                 "flops_per_sample": self._flops_per_sample,
                 "peak_flops_per_device": self._peak_flops,
                 "peak_from": "config" if self.peak_flops_override is not None else "lightning",

@@ -23,18 +23,27 @@ def collect_rng_states() -> dict[str, Any]:
     version, state, gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),
-        "numpy": {"name": str(name), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-        "python": {"version": int(version), "state": torch.tensor(state, dtype=torch.int64),
-                   "gauss": None if gauss is None else float(gauss)},
+        "numpy": {
+            "name": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "python": {
+            "version": int(version),
+            "state": torch.tensor(state, dtype=torch.int64),
+            "gauss": None if gauss is None else float(gauss),
+        },
     }
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
     n = states["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    np.random.set_state(
+        (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     p = states["python"]
     random.setstate((p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss"]))
 

@@ -41,8 +41,12 @@ MODES = ("exact", "tolerance")
 ON_MISMATCH = ("warn", "raise", "stop")
 # kinds that mean the replicas train different models; the others are warnings and never raise or stop
 SEVERE = ("grad_mismatch", "param_mismatch")
-WHAT = {"grad_mismatch": "gradients differ", "param_mismatch": "parameters differ",
-        "buffer_mismatch": "buffers differ", "no_local_grad": "no gradient from this rank's backward"}
+WHAT = {
+    "grad_mismatch": "gradients differ",
+    "param_mismatch": "parameters differ",
+    "buffer_mismatch": "buffers differ",
+    "no_local_grad": "no gradient from this rank's backward",
+}
 
 
 class ReplicaDivergenceError(RuntimeError):
@@ -78,12 +82,16 @@ class Finding:
         return asdict(self)
 
     def sentence(self) -> str:
-        named = ", ".join(f"{t.name} on rank {','.join(map(str, t.ranks))}"
-                          + (f" (max |diff| {t.max_abs_diff:.3g})" if t.max_abs_diff is not None else "")
-                          for t in self.tensors[:3])
+        named = ", ".join(
+            f"{t.name} on rank {','.join(map(str, t.ranks))}"
+            + (f" (max |diff| {t.max_abs_diff:.3g})" if t.max_abs_diff is not None else "")
+            for t in self.tensors[:3]
+        )
         more = f" and {self.num_tensors - 3} more" if self.num_tensors > 3 else ""
-        return (f"sync check: {WHAT[self.kind]} across ranks at global step {self.global_step} ({self.where}): "
-                f"rank(s) {', '.join(map(str, self.ranks))} deviate in {self.num_tensors} tensor(s): {named}{more}.")
+        return (
+            f"sync check: {WHAT[self.kind]} across ranks at global step {self.global_step} ({self.where}): "
+            f"rank(s) {', '.join(map(str, self.ranks))} deviate in {self.num_tensors} tensor(s): {named}{more}."
+        )
 
 
 @dataclass
@@ -154,13 +162,16 @@ class SyncCheck(L.Callback):
         max_reported_tensors: int = 8,
     ) -> None:
         if not isinstance(every_n_steps, int) or every_n_steps < 0:
-            raise ConfigError(f"callbacks.sync_check.every_n_steps={every_n_steps!r}: use a whole number >= 0 "
-                              "(0 turns the periodic checks off)")
+            raise ConfigError(
+                f"callbacks.sync_check.every_n_steps={every_n_steps!r}: use a whole number >= 0 "
+                "(0 turns the periodic checks off)"
+            )
         if mode not in MODES:
             raise ConfigError(f"callbacks.sync_check.mode={mode!r}: choose one of {', '.join(MODES)}")
         if on_mismatch not in ON_MISMATCH:
-            raise ConfigError(f"callbacks.sync_check.on_mismatch={on_mismatch!r}: choose one of "
-                              f"{', '.join(ON_MISMATCH)}")
+            raise ConfigError(
+                f"callbacks.sync_check.on_mismatch={on_mismatch!r}: choose one of {', '.join(ON_MISMATCH)}"
+            )
         if mode == "tolerance" and not rtol > 0:
             raise ConfigError(f"callbacks.sync_check.rtol={rtol!r}: tolerance mode needs rtol > 0")
         if not isinstance(max_reported_tensors, int) or max_reported_tensors < 1:
@@ -206,12 +217,19 @@ class SyncCheck(L.Callback):
         # where the collectives run: the process's own GPU under NCCL, the CPU under gloo
         self._comm_device = trainer.strategy.root_device
         if self.world_size > 1 and not replicated:
-            rank_zero_only(say)(f"sync check: off, {type(trainer.strategy).__name__} does not keep a full replica "
-                                "on every rank (sharded parameters differ by design)", logging.INFO)
+            rank_zero_only(say)(
+                f"sync check: off, {type(trainer.strategy).__name__} does not keep a full replica "
+                "on every rank (sharded parameters differ by design)",
+                logging.INFO,
+            )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"checks": self.checks, "findings": dict(self.findings), "said": sorted(self._said),
-                "tensors_checked": dict(self.tensors_checked)}
+        return {
+            "checks": self.checks,
+            "findings": dict(self.findings),
+            "said": sorted(self._said),
+            "tensors_checked": dict(self.tensors_checked),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.checks = state_dict.get("checks", 0)
@@ -220,8 +238,12 @@ class SyncCheck(L.Callback):
         self._said = set(state_dict.get("said", []))
 
     def _due(self, trainer: L.Trainer) -> bool:
-        return (self.active and self.every_n_steps > 0 and not trainer.sanity_checking
-                and trainer.global_step % self.every_n_steps == 0)
+        return (
+            self.active
+            and self.every_n_steps > 0
+            and not trainer.sanity_checking
+            and trainer.global_step % self.every_n_steps == 0
+        )
 
     # -- hooks ----------------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -231,7 +253,9 @@ class SyncCheck(L.Callback):
             rank_zero_only(say)(
                 f"sync check: local SGD (parameters averaged every {self._averager.period} steps after step "
                 f"{self._averager.warmup_steps}): gradients are checked only before step {self._averager.warmup_steps}"
-                ", parameters right after averaging steps", logging.INFO)
+                ", parameters right after averaging steps",
+                logging.INFO,
+            )
         if not (self.active and self.at_fit_start):
             return
         start = time.perf_counter()
@@ -243,8 +267,9 @@ class SyncCheck(L.Callback):
         self._run_check(trainer, groups, "fit_start", start)
         self._step_counts, self._step_ms = {}, 0.0
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         # The hooks that watch this step's forward and backward exist only on check steps: off-steps pay nothing.
         if not self._due(trainer) or self._hooks:
             return
@@ -275,26 +300,42 @@ class SyncCheck(L.Callback):
         if self.check_grads and not self._grads_synced():
             self.local_sgd_counts["grad_checks_skipped"] += 1
         elif self.check_grads:
-            groups.append(self._group("grad_mismatch", [(n, p.grad) for n, p in trainable],
-                                      like=[p for _, p in trainable]))
+            groups.append(
+                self._group("grad_mismatch", [(n, p.grad) for n, p in trainable], like=[p for _, p in trainable])
+            )
         if self.check_unused and trainable:
             flags = [1 if i in self._used else 0 for i in range(len(trainable))]
             dtype = torch.int64 if self.mode == "exact" else torch.float64
-            groups.append(TensorGroup("no_local_grad", [n for n, _ in trainable], [None] * len(trainable),
-                                      torch.tensor(flags, dtype=dtype, device=self._comm_device),
-                                      like=[p for _, p in trainable], exact=True))
+            groups.append(
+                TensorGroup(
+                    "no_local_grad",
+                    [n for n, _ in trainable],
+                    [None] * len(trainable),
+                    torch.tensor(flags, dtype=dtype, device=self._comm_device),
+                    like=[p for _, p in trainable],
+                    exact=True,
+                )
+            )
         if self.check_buffers and self._buffer_values is not None:
             named = list(pl_module.named_buffers())
-            groups.append(TensorGroup("buffer_mismatch", [n for n, _ in named], [b for _, b in named],
-                                      self._buffer_values, like=[b for _, b in named]))
+            groups.append(
+                TensorGroup(
+                    "buffer_mismatch",
+                    [n for n, _ in named],
+                    [b for _, b in named],
+                    self._buffer_values,
+                    like=[b for _, b in named],
+                )
+            )
         self._buffer_values = None
         self._params_due = self.check_params
         self._run_check(trainer, groups, "before_optimizer_step", start)
         if not self._params_due:
             self._log_step(pl_module)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self._params_due:
             return
         if not self._params_synced():
@@ -332,21 +373,29 @@ class SyncCheck(L.Callback):
         step = trainer.global_step
         findings: list[Finding] = []
         measured: list[_ToMeasure] = []
-        for group, per_tensor in zip(groups, self._find_deviating(groups)):
+        for group, per_tensor in zip(groups, self._find_deviating(groups), strict=True):
             tensors = []
             for dev in per_tensor:
                 like, ranks = group.like[dev.index], dev.ranks
                 if group.kind == "no_local_grad":
                     # name the ranks without a gradient, whichever side the majority is on
                     ranks = [r for r, flag in enumerate(dev.values) if flag == 0]
-                tensor = TensorFinding(group.names[dev.index], list(like.shape),
-                                       str(like.dtype).removeprefix("torch."), ranks, dev.reference_rank)
+                tensor = TensorFinding(
+                    group.names[dev.index],
+                    list(like.shape),
+                    str(like.dtype).removeprefix("torch."),
+                    ranks,
+                    dev.reference_rank,
+                )
                 if group.kind != "no_local_grad" and len(measured) < self.max_reported_tensors:
                     measured.append(_ToMeasure(group, dev.index, dev.reference_rank, tensor))
                 tensors.append(tensor)
             if tensors:
-                findings.append(Finding(group.kind, step, where, sorted({r for t in tensors for r in t.ranks}),
-                                        tensors, len(tensors)))
+                findings.append(
+                    Finding(
+                        group.kind, step, where, sorted({r for t in tensors for r in t.ranks}), tensors, len(tensors)
+                    )
+                )
         if measured:
             self._measure_differences(measured)
         self.checks += 1
@@ -423,12 +472,17 @@ class SyncCheck(L.Callback):
         # `severe` comes from gathered data, the same on every rank: every rank stops or raises at this same point.
         if self.on_mismatch == "stop":
             trainer.should_stop = True
-            rank_zero_only(say)(f"sync check: stopping every rank at global step {trainer.global_step} "
-                                "(callbacks.sync_check.on_mismatch=stop)", logging.ERROR)
+            rank_zero_only(say)(
+                f"sync check: stopping every rank at global step {trainer.global_step} "
+                "(callbacks.sync_check.on_mismatch=stop)",
+                logging.ERROR,
+            )
         elif self.on_mismatch == "raise":
             self._remove_hooks()
-            raise ReplicaDivergenceError(f"{severe[0].sentence()} Details: reports/sync_check.jsonl in the run dir "
-                                         "(callbacks.sync_check.on_mismatch=warn only reports, =stop ends the run)")
+            raise ReplicaDivergenceError(
+                f"{severe[0].sentence()} Details: reports/sync_check.jsonl in the run dir "
+                "(callbacks.sync_check.on_mismatch=warn only reports, =stop ends the run)"
+            )
 
     @rank_zero_only
     def _write_finding(self, trainer: L.Trainer, finding: Finding) -> None:
@@ -436,20 +490,37 @@ class SyncCheck(L.Callback):
 
     @rank_zero_only
     def _write_summary(self, trainer: L.Trainer) -> None:
-        write_json(reports_dir(trainer) / "sync_check.json", {
-            "kind": "sync_check_summary", "global_step": trainer.global_step, "ranks": list(range(self.world_size)),
-            "active": self.active, "every_n_steps": self.every_n_steps, "mode": self.mode,
-            "on_mismatch": self.on_mismatch, "checks": self.checks, "findings": self.findings,
-            "tensors_checked": self.tensors_checked,
-            "stopped": bool(self.on_mismatch == "stop" and any(self.findings[k] for k in SEVERE)),
-            "local_sgd": None if self._averager is None else {
-                "model_averaging_period": self._averager.period, "start_localSGD_iter": self._averager.warmup_steps,
-                **self.local_sgd_counts},
-        })
+        write_json(
+            reports_dir(trainer) / "sync_check.json",
+            {
+                "kind": "sync_check_summary",
+                "global_step": trainer.global_step,
+                "ranks": list(range(self.world_size)),
+                "active": self.active,
+                "every_n_steps": self.every_n_steps,
+                "mode": self.mode,
+                "on_mismatch": self.on_mismatch,
+                "checks": self.checks,
+                "findings": self.findings,
+                "tensors_checked": self.tensors_checked,
+                "stopped": bool(self.on_mismatch == "stop" and any(self.findings[k] for k in SEVERE)),
+                "local_sgd": None
+                if self._averager is None
+                else {
+                    "model_averaging_period": self._averager.period,
+                    "start_localSGD_iter": self._averager.warmup_steps,
+                    **self.local_sgd_counts,
+                },
+            },
+        )
 
     def _log_step(self, pl_module: L.LightningModule) -> None:
-        names = {"grad_mismatch": "grad_mismatches", "param_mismatch": "param_mismatches",
-                 "buffer_mismatch": "buffer_mismatches", "no_local_grad": "no_local_grad_params"}
+        names = {
+            "grad_mismatch": "grad_mismatches",
+            "param_mismatch": "param_mismatches",
+            "buffer_mismatch": "buffer_mismatches",
+            "no_local_grad": "no_local_grad_params",
+        }
         metrics = {f"sync/{names[k]}": float(v) for k, v in self._step_counts.items()}
         metrics["sync/check_ms"] = self.last_check_ms = self._step_ms
         self._step_counts, self._step_ms = {}, 0.0
@@ -485,11 +556,17 @@ class SyncCheck(L.Callback):
     def _values(self, tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
         return cs.checksums(tensors, device) if self.mode == "exact" else cs.norms(tensors, device)
 
-    def _group(self, kind: str, named: list[tuple[str, torch.Tensor | None]],
-               like: list[torch.Tensor] | None = None) -> TensorGroup:
+    def _group(
+        self, kind: str, named: list[tuple[str, torch.Tensor | None]], like: list[torch.Tensor] | None = None
+    ) -> TensorGroup:
         tensors = [t for _, t in named]
-        return TensorGroup(kind, [n for n, _ in named], tensors, self._values(tensors, self._comm_device),
-                           like=like if like is not None else tensors)
+        return TensorGroup(
+            kind,
+            [n for n, _ in named],
+            tensors,
+            self._values(tensors, self._comm_device),
+            like=like if like is not None else tensors,
+        )
 
     @staticmethod
     def _named_params(pl_module: L.LightningModule, trainable: bool) -> list[tuple[str, torch.Tensor]]:

@@ -18,7 +18,8 @@ restarts with the iterator.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -27,8 +28,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 class ResumableSampler(DistributedSampler):
     """``DistributedSampler`` whose next iteration of a given epoch can leave out the first indices."""
 
-    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0
+    ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
         self._resume: tuple[int, int] | None = None  # (epoch, indices to leave out)
 

@@ -9,7 +9,7 @@ changes it too. Computed in chunks on the tensor's own device: no CPU copy and b
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -33,7 +33,7 @@ def tensor_checksum(tensor: torch.Tensor) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
     for start in range(0, bits.numel(), CHUNK):
         # out of place: for 64-bit dtypes `.to(int64)` is a view of the tensor itself
-        chunk = bits[start:start + CHUNK].to(torch.int64)
+        chunk = bits[start : start + CHUNK].to(torch.int64)
         weights = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=flat.device).mul_(2).add_(1)
         total += (chunk * weights).sum()
     return total

@@ -62,7 +62,8 @@ def check_trainer_config(trainer_cfg: DictConfig) -> None:
         )
 
     if trainer_cfg.get("sync_batchnorm") and accelerator not in GPU_ACCELERATORS:
-        # torch's SyncBatchNorm is CUDA-only; DDP would fail later with "SyncBatchNorm layers only work with GPU modules"
+        # torch's SyncBatchNorm is CUDA-only; DDP would fail later with
+        # "SyncBatchNorm layers only work with GPU modules"
         raise ConfigError(
             f"trainer.sync_batchnorm=true needs GPUs (torch's SyncBatchNorm is CUDA-only) but "
             f"trainer.accelerator={accelerator}: add trainer.sync_batchnorm=false, or use trainer=ddp_cpu"

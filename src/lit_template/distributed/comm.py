@@ -13,7 +13,8 @@ See docs/comm.md.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig
@@ -24,13 +25,39 @@ from lit_template.utils.parsing import as_int
 
 DDP_TRAINERS = "trainer=ddp_cpu (CPU, gloo), trainer=ddp or trainer=ddp_multinode"
 # keys a comm config (or a documented comm override) may set; a strategy with only these came from no DDP trainer
-COMM_KEYS = frozenset({"_target_", "comm", "ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper",
-                       "model_averaging_period", "bucket_cap_mb", "gradient_as_bucket_view", "static_graph"})
+COMM_KEYS = frozenset(
+    {
+        "_target_",
+        "comm",
+        "ddp_comm_state",
+        "ddp_comm_hook",
+        "ddp_comm_wrapper",
+        "model_averaging_period",
+        "bucket_cap_mb",
+        "gradient_as_bucket_view",
+        "static_graph",
+    }
+)
 # options of strategies that are not DDP (FSDP, DeepSpeed): a comm config merged onto them must not turn them into DDP
-NOT_DDP_KEYS = frozenset({"sharding_strategy", "auto_wrap_policy", "state_dict_type", "activation_checkpointing",
-                          "activation_checkpointing_policy", "cpu_offload", "mixed_precision", "limit_all_gathers",
-                          "use_orig_params", "device_mesh", "zero_optimization", "stage", "offload_optimizer",
-                          "offload_parameters", "config"})
+NOT_DDP_KEYS = frozenset(
+    {
+        "sharding_strategy",
+        "auto_wrap_policy",
+        "state_dict_type",
+        "activation_checkpointing",
+        "activation_checkpointing_policy",
+        "cpu_offload",
+        "mixed_precision",
+        "limit_all_gathers",
+        "use_orig_params",
+        "device_mesh",
+        "zero_optimization",
+        "stage",
+        "offload_optimizer",
+        "offload_parameters",
+        "config",
+    }
+)
 
 
 class CommDDPStrategy(DDPStrategy):
@@ -57,7 +84,8 @@ class CommDDPStrategy(DDPStrategy):
 
 
 def _whole_number(name: str, path: str, value: Any, minimum: int, why: str) -> None:
-    """``value`` (at ``trainer.strategy.<path>``) must be a whole number >= ``minimum``, else a ConfigError naming it."""
+    """``value`` (at ``trainer.strategy.<path>``) must be a whole number >= ``minimum``, else a ConfigError
+    naming it."""
     number = as_int(value)
     if number is None or number < minimum:
         raise ConfigError(f"comm={name}: trainer.strategy.{path}={value!r}: use a whole number >= {minimum} ({why})")
@@ -81,40 +109,68 @@ def check_comm_config(trainer_cfg: DictConfig) -> None:
     if foreign:
         raise ConfigError(
             f"comm={name} sets DDP communication options, but the trainer's strategy is not DDP (it has "
-            f"{', '.join(foreign)}): use comm with {DDP_TRAINERS}, or drop comm=")
+            f"{', '.join(foreign)}): use comm with {DDP_TRAINERS}, or drop comm="
+        )
     if keys <= COMM_KEYS:
         raise ConfigError(
             f"comm={name} sets DDP communication options, but the trainer config has no DDP strategy "
-            f"(trainer.strategy has only what comm={name} set): use {DDP_TRAINERS}, or drop comm=")
+            f"(trainer.strategy has only what comm={name} set): use {DDP_TRAINERS}, or drop comm="
+        )
     devices, num_nodes = as_int(trainer_cfg.get("devices", "auto")), as_int(trainer_cfg.get("num_nodes", 1))
     if devices == 1 and num_nodes == 1:
         raise ConfigError(
             f"comm={name} changes how DDP processes communicate, but trainer.devices=1 and trainer.num_nodes=1 "
-            f"run one process: use {DDP_TRAINERS} with 2 or more processes, or drop comm=")
+            f"run one process: use {DDP_TRAINERS} with 2 or more processes, or drop comm="
+        )
 
     state = strategy.get("ddp_comm_state")
     if "PostLocalSGDState" in _target(state):
-        _whole_number(name, "model_averaging_period", strategy.get("model_averaging_period"), 2,
-                      "local SGD averages the model every N optimizer steps; 1 is plain DDP")
-        _whole_number(name, "ddp_comm_state.start_localSGD_iter", state.get("start_localSGD_iter"), 1,
-                      "optimizer steps of plain DDP before local SGD starts")
+        _whole_number(
+            name,
+            "model_averaging_period",
+            strategy.get("model_averaging_period"),
+            2,
+            "local SGD averages the model every N optimizer steps; 1 is plain DDP",
+        )
+        _whole_number(
+            name,
+            "ddp_comm_state.start_localSGD_iter",
+            state.get("start_localSGD_iter"),
+            1,
+            "optimizer steps of plain DDP before local SGD starts",
+        )
         if "post_localSGD_hook" not in _target(strategy.get("ddp_comm_hook")) + str(
-                (strategy.get("ddp_comm_hook") or {}).get("path", "")):
-            raise ConfigError(f"comm={name}: a PostLocalSGDState needs trainer.strategy.ddp_comm_hook = "
-                              "post_localSGD_hook (see conf/comm/local_sgd.yaml)")
+            (strategy.get("ddp_comm_hook") or {}).get("path", "")
+        ):
+            raise ConfigError(
+                f"comm={name}: a PostLocalSGDState needs trainer.strategy.ddp_comm_hook = "
+                "post_localSGD_hook (see conf/comm/local_sgd.yaml)"
+            )
         accelerator = str(trainer_cfg.get("accelerator", "auto")).lower()
         if state.get("post_local_gradient_allreduce", True) and state.get("subgroup") is None and accelerator == "cpu":
             raise ConfigError(
                 f"comm={name}: trainer.strategy.ddp_comm_state.post_local_gradient_allreduce=true with subgroup=null "
                 "groups the ranks per GPU machine, and trainer.accelerator=cpu has no GPUs: set "
                 "trainer.strategy.ddp_comm_state.post_local_gradient_allreduce=false (no gradient sync between "
-                "averaging steps)")
+                "averaging steps)"
+            )
     elif strategy.get("model_averaging_period") is not None:
         raise ConfigError(
             f"comm={name}: trainer.strategy.model_averaging_period is set but ddp_comm_state is not a "
-            "PostLocalSGDState, so nothing would average the model: use comm=local_sgd")
+            "PostLocalSGDState, so nothing would average the model: use comm=local_sgd"
+        )
     if "PowerSGDState" in _target(state):
-        _whole_number(name, "ddp_comm_state.start_powerSGD_iter", state.get("start_powerSGD_iter"), 2,
-                      "PowerSGD's error feedback and warm start need plain all-reduce steps first")
-        _whole_number(name, "ddp_comm_state.matrix_approximation_rank", state.get("matrix_approximation_rank"), 1,
-                      "the rank of each gradient matrix's approximation")
+        _whole_number(
+            name,
+            "ddp_comm_state.start_powerSGD_iter",
+            state.get("start_powerSGD_iter"),
+            2,
+            "PowerSGD's error feedback and warm start need plain all-reduce steps first",
+        )
+        _whole_number(
+            name,
+            "ddp_comm_state.matrix_approximation_rank",
+            state.get("matrix_approximation_rank"),
+            1,
+            "the rank of each gradient matrix's approximation",
+        )

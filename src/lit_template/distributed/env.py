@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from omegaconf import DictConfig
@@ -29,7 +29,7 @@ def trainer_devices_per_node(trainer_cfg: DictConfig) -> int:
     accelerator = str(trainer_cfg.get("accelerator", "auto")).lower()
     if isinstance(devices, int) and devices > 0:
         return devices
-    if isinstance(devices, (list, tuple)) or hasattr(devices, "__len__") and not isinstance(devices, str):
+    if isinstance(devices, (list, tuple)) or (hasattr(devices, "__len__") and not isinstance(devices, str)):
         return len(devices)
     if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available():
         return torch.cuda.device_count()
@@ -55,8 +55,10 @@ def check_launch_env(trainer_cfg: DictConfig, env: Mapping[str, str] = os.enviro
     if under_slurm(env) and not under_torchrun(env):
         ntasks = _int_var(env, "SLURM_NTASKS")
         if ntasks != expected_world:
-            raise ConfigError(f"SLURM_NTASKS={ntasks} but {shape}: ask sbatch for --nodes={num_nodes} "
-                              f"--ntasks-per-node={per_node}, or change trainer.num_nodes / trainer.devices")
+            raise ConfigError(
+                f"SLURM_NTASKS={ntasks} but {shape}: ask sbatch for --nodes={num_nodes} "
+                f"--ntasks-per-node={per_node}, or change trainer.num_nodes / trainer.devices"
+            )
         return
 
     if not any(k in env for k in ("MASTER_ADDR", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK")):
@@ -66,16 +68,19 @@ def check_launch_env(trainer_cfg: DictConfig, env: Mapping[str, str] = os.enviro
         )
     for name in ("MASTER_ADDR", "MASTER_PORT"):
         if not env.get(name):
-            raise ConfigError(f"{name} is not set: every node needs the address and port of node 0 "
-                              f"(export {name}=... or {LAUNCH_HINT})")
+            raise ConfigError(
+                f"{name} is not set: every node needs the address and port of node 0 "
+                f"(export {name}=... or {LAUNCH_HINT})"
+            )
     _int_var(env, "MASTER_PORT")
     rank_var = "GROUP_RANK" if under_torchrun(env) else "NODE_RANK"
     if rank_var not in env:
         raise ConfigError(f"{rank_var} is not set: each node needs its index 0..{num_nodes - 1} ({LAUNCH_HINT})")
     node_rank = _int_var(env, rank_var)
     if not 0 <= node_rank < num_nodes:
-        raise ConfigError(f"{rank_var}={node_rank} is out of range for trainer.num_nodes={num_nodes}: "
-                          f"use 0..{num_nodes - 1}")
+        raise ConfigError(
+            f"{rank_var}={node_rank} is out of range for trainer.num_nodes={num_nodes}: use 0..{num_nodes - 1}"
+        )
     if "WORLD_SIZE" in env:
         world = _int_var(env, "WORLD_SIZE")
         if world != expected_world:
@@ -105,5 +110,8 @@ def apply_env(settings: DictConfig | None) -> dict[str, str]:
     """Export the ``distributed.env`` variables (NCCL settings) unless the user already set them."""
     if not settings:
         return {}
-    return {name: str(value) for name, value in (settings.get("env") or {}).items()
-            if value is not None and set_default_env(name, str(value))}
+    return {
+        name: str(value)
+        for name, value in (settings.get("env") or {}).items()
+        if value is not None and set_default_env(name, str(value))
+    }

@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -100,8 +101,9 @@ class StepVote:
             return [list(numbers)]
         result = self._collect()
         buffer = torch.zeros(self.world_size * self.slots, dtype=torch.int64)
-        buffer[self.global_rank * self.slots:(self.global_rank + 1) * self.slots] = torch.tensor(numbers,
-                                                                                              dtype=torch.int64)
+        buffer[self.global_rank * self.slots : (self.global_rank + 1) * self.slots] = torch.tensor(
+            numbers, dtype=torch.int64
+        )
         self._work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
         self._buffer = buffer
         return result
@@ -122,7 +124,7 @@ class StepVote:
         self._work.wait()
         values = self._buffer.tolist()
         self._work = self._buffer = None
-        return [values[r * self.slots:(r + 1) * self.slots] for r in range(self.world_size)]
+        return [values[r * self.slots : (r + 1) * self.slots] for r in range(self.world_size)]
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ class SlurmJob:
     restart_count: int
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> "SlurmJob | None":
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> SlurmJob | None:
         if "SLURM_JOB_ID" not in env:
             return None
         array_job, array_task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")

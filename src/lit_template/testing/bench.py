@@ -41,12 +41,21 @@ class StepClock:
             self.first_step_after_start_s = time.time() - self.t0
 
     def dump(self, path: str | os.PathLike, **extra: Any) -> None:
-        Path(path).write_text(json.dumps({"step_s": self.step_s, "step_cpu_s": self.step_cpu_s,
-                                          "first_step_after_start_s": self.first_step_after_start_s, **extra}))
+        Path(path).write_text(
+            json.dumps(
+                {
+                    "step_s": self.step_s,
+                    "step_cpu_s": self.step_cpu_s,
+                    "first_step_after_start_s": self.first_step_after_start_s,
+                    **extra,
+                }
+            )
+        )
 
 
-class StepTimer(L.Callback):
-    """``+callbacks.bench._target_=lit_template.testing.bench.StepTimer +callbacks.bench.out=FILE`` (rank zero writes)."""
+class BenchStepTimes(L.Callback):
+    """``+callbacks.bench._target_=lit_template.testing.bench.BenchStepTimes +callbacks.bench.out=FILE``
+    (rank zero writes)."""
 
     def __init__(self, out: str) -> None:
         self.out = out

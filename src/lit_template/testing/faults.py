@@ -27,7 +27,8 @@ ACTIONS = {
     "hang": "batch_start",  # sleep forever: alive but stuck
     "raise": "batch_start",  # raise RuntimeError
     "kill": "batch_start",  # SIGKILL this process
-    "signal": "batch_start",  # send this process `signal` (SIGUSR1, SIGTERM: what a scheduler sends before it stops a job)
+    # send this process `signal` (SIGUSR1, SIGTERM: what a scheduler sends before it stops a job)
+    "signal": "batch_start",
     "nan_loss": "batch_start",  # the next loss becomes NaN (inputs scaled by NaN)
     "perturb_grad": "after_backward",  # add `amount` to one gradient after the all-reduce
     "nan_grad": "after_backward",  # one gradient element becomes NaN after the all-reduce
@@ -74,12 +75,15 @@ class FaultInjection(L.Callback):
             raise ConfigError(f"callbacks.fault.action={self.action}: the model has no {kind}s")
         name = self.target or next(iter(named))
         if name not in named:
-            raise ConfigError(f"callbacks.fault.target={name!r} is not a {kind} of the model; some are: "
-                              f"{', '.join(list(named)[:8])}")
+            raise ConfigError(
+                f"callbacks.fault.target={name!r} is not a {kind} of the model; some are: {', '.join(list(named)[:8])}"
+            )
         return name, named[name]
 
     # -- what -----------------------------------------------------------------------------------------------------
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._due(trainer, "batch_start"):
             return
         self.fired += 1
@@ -99,7 +103,7 @@ class FaultInjection(L.Callback):
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._due(trainer, "after_backward"):
             return
-        name, param = self._tensor(pl_module, "param")
+        _, param = self._tensor(pl_module, "param")
         if param.grad is None:
             return
         self.fired += 1
@@ -109,8 +113,9 @@ class FaultInjection(L.Callback):
             else:
                 param.grad.view(-1)[0] = float("nan")
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self._due(trainer, "batch_end"):
             return
         self.fired += 1

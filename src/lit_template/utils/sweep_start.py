@@ -20,10 +20,12 @@ def slurm_shape_problem(config: DictConfig) -> str | None:
     for option in ("num_nodes", "devices"):
         value = config.trainer.get(option)
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            return (f"launcher=slurm asks SLURM for trainer.num_nodes nodes of trainer.devices GPUs each, but "
-                    f"trainer.{option}={value!r}: set "
-                    f"trainer.{option} to a count (e.g. trainer.num_nodes=2 trainer.devices=8), or export "
-                    f"NUM_NODES / GPUS_PER_NODE")
+            return (
+                f"launcher=slurm asks SLURM for trainer.num_nodes nodes of trainer.devices GPUs each, but "
+                f"trainer.{option}={value!r}: set "
+                f"trainer.{option} to a count (e.g. trainer.num_nodes=2 trainer.devices=8), or export "
+                f"NUM_NODES / GPUS_PER_NODE"
+            )
     return None
 
 

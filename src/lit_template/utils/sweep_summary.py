@@ -67,9 +67,14 @@ class SweepSummary(Callback):
         common = set.intersection(*(set(r["overrides"]) for r in rows)) if len(rows) > 1 else set()
         for r in rows:
             r["swept"] = [o for o in r["overrides"] if o not in common]
-        summary = {"kind": "sweep_summary", "metric": metric, "direction": direction, "jobs": rows,
-                   "best_job": best["job"] if best else None, "failed_jobs": [r["job"] for r in rows
-                                                                             if r["status"] == "failed"]}
+        summary = {
+            "kind": "sweep_summary",
+            "metric": metric,
+            "direction": direction,
+            "jobs": rows,
+            "best_job": best["job"] if best else None,
+            "failed_jobs": [r["job"] for r in rows if r["status"] == "failed"],
+        }
         (sweep_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         lines = [f"| job | overrides | {metric} | status |", "|---|---|---|---|"]
         for r in rows:

@@ -12,8 +12,9 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -101,7 +102,7 @@ class ChildRankWatch(threading.Thread):
         per_node = len(self.procs) + 1
         while True:
             codes = [proc.poll() for proc in self.procs]
-            for i, (proc, code) in enumerate(zip(self.procs, codes)):
+            for i, (proc, code) in enumerate(zip(self.procs, codes, strict=True)):
                 if code:
                     with self._lock:
                         if not self.reported:
@@ -125,9 +126,17 @@ class ChildRankWatch(threading.Thread):
         say_error(f"rank {rank} (pid {pid}) {how}; every other rank of the job is being stopped")
         if self.run_dir is not None:
             try:
-                write_json(self.run_dir / "reports" / "rank_failure.json",
-                           {"kind": "rank_failed", "global_step": None, "ranks": [rank], "pid": pid,
-                            "exit_code": code, "signal": signal.Signals(-code).name if code < 0 else None})
+                write_json(
+                    self.run_dir / "reports" / "rank_failure.json",
+                    {
+                        "kind": "rank_failed",
+                        "global_step": None,
+                        "ranks": [rank],
+                        "pid": pid,
+                        "exit_code": code,
+                        "signal": signal.Signals(-code).name if code < 0 else None,
+                    },
+                )
             except OSError:
                 pass
 
@@ -238,7 +247,9 @@ def task_wrapper(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], An
         finally:
             _teardown_distributed()
         if isinstance(value, float) and math.isnan(value) and in_multirun():
-            return _failed_job(f"the optimized metric is NaN (diverged, or never logged): {cfg.get('optimized_metric')}")
+            return _failed_job(
+                f"the optimized metric is NaN (diverged, or never logged): {cfg.get('optimized_metric')}"
+            )
         return value
 
     return wrapped

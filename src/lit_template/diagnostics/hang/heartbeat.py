@@ -10,9 +10,9 @@ import re
 import socket
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 
 @dataclass
@@ -70,9 +70,16 @@ def diagnose(beats: dict[int, Heartbeat | None], world_size: int, now_unix: floa
     ranks = list(range(world_size))
     # a rank that finished training cleanly is neither stuck nor waiting: it is out of the picture
     done = [r for r in ranks if beats.get(r) is not None and not beats[r].alive and beats[r].phase == "stopped"]
-    silent = [r for r in ranks if r not in done and (
-        beats.get(r) is None or not beats[r].alive
-        or (not beats[r].stalled and now_unix - beats[r].time_unix > stale_after_s))]
+    silent = [
+        r
+        for r in ranks
+        if r not in done
+        and (
+            beats.get(r) is None
+            or not beats[r].alive
+            or (not beats[r].stalled and now_unix - beats[r].time_unix > stale_after_s)
+        )
+    ]
     live = {r: beats[r] for r in ranks if r not in silent and r not in done}
     waiting = [r for r, b in live.items() if b.waiting_in]
     keys = Counter((b.step, b.phase) for b in live.values())
@@ -103,8 +110,9 @@ def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def _sentence(beats: dict[int, Heartbeat | None], stuck: list[int], waiting: list[int], silent: list[int],
-              now_unix: float) -> str:
+def _sentence(
+    beats: dict[int, Heartbeat | None], stuck: list[int], waiting: list[int], silent: list[int], now_unix: float
+) -> str:
     parts = []
     for r in stuck:
         b = beats.get(r)
@@ -134,18 +142,32 @@ def format_table(beats: dict[int, Heartbeat | None], verdict: Verdict, world_siz
         if b is None:
             rows.append((f"{r}{mark}", "?", "?", "no heartbeat", "?", "?", "?", "?"))
         else:
-            rows.append((f"{r}{mark}", b.host, str(b.step), b.phase, f"{b.no_progress_s:.1f}", b.where or "?",
-                         b.waiting_in or "-", b.collectives or "-"))
+            rows.append(
+                (
+                    f"{r}{mark}",
+                    b.host,
+                    str(b.step),
+                    b.phase,
+                    f"{b.no_progress_s:.1f}",
+                    b.where or "?",
+                    b.waiting_in or "-",
+                    b.collectives or "-",
+                )
+            )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
-
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
 # -- a peer that is gone ------------------------------------------------------------------------------------------
 
 # what gloo and NCCL say when the other end of a collective went away (the process died, or its node)
-_LOST_PEER_TEXT = ("connection closed by peer", "connection reset by peer", "broken pipe",
-                   "remote process exited", "communicator was aborted")
+_LOST_PEER_TEXT = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "remote process exited",
+    "communicator was aborted",
+)
 
 
 def lost_peer(error: BaseException | None) -> bool:
@@ -172,15 +194,23 @@ def _process_gone(beat: Heartbeat) -> bool:
     return False
 
 
-def silent_ranks(heartbeat_dir: Path, world_size: int, rank: int, interval_s: float, slack_s: float = 1.5,
-                 poll_s: float = 0.2, clock: Callable[[], float] = time.time,
-                 sleep: Callable[[float], None] = time.sleep) -> dict[int, Heartbeat | None]:
+def silent_ranks(
+    heartbeat_dir: Path,
+    world_size: int,
+    rank: int,
+    interval_s: float,
+    slack_s: float = 1.5,
+    poll_s: float = 0.2,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[int, Heartbeat | None]:
     """The other ranks that stopped writing heartbeats: dead (killed, crashed) or frozen.
 
     A rank that lives writes its heartbeat every ``interval_s``; one that left training with an error of its own
     writes ``alive: false`` at once. So a rank whose heartbeat is older than ``interval_s + slack_s`` and says
     ``alive: true`` has stopped. Waits at most ``interval_s + slack_s`` for the heartbeats to tell.
     """
+
     def read(r: int) -> Heartbeat | None:
         return Heartbeat.read(heartbeat_dir / f"rank{r}.json")
 
@@ -193,10 +223,9 @@ def silent_ranks(heartbeat_dir: Path, world_size: int, rank: int, interval_s: fl
             beat = read(r)
             if beat is not None and (not beat.alive or (first[r] is not None and beat.time_unix != first[r].time_unix)):
                 undecided.discard(r)  # it left training by itself, or it is still beating
-            elif beat is not None and (now - beat.time_unix > interval_s + slack_s or _process_gone(beat)):
-                silent[r] = beat
-                undecided.discard(r)
-            elif now >= deadline:
+            elif (
+                beat is not None and (now - beat.time_unix > interval_s + slack_s or _process_gone(beat))
+            ) or now >= deadline:
                 silent[r] = beat
                 undecided.discard(r)
         if undecided:
@@ -204,8 +233,9 @@ def silent_ranks(heartbeat_dir: Path, world_size: int, rank: int, interval_s: fl
     return silent
 
 
-def lost_peer_sentence(rank: int, step: int, error: BaseException, silent: dict[int, Heartbeat | None],
-                       now_unix: float) -> str:
+def lost_peer_sentence(
+    rank: int, step: int, error: BaseException, silent: dict[int, Heartbeat | None], now_unix: float
+) -> str:
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[.../pair.cc:561] " source location
     parts = []
@@ -214,10 +244,14 @@ def lost_peer_sentence(rank: int, step: int, error: BaseException, silent: dict[
             parts.append(f"global rank {r} is gone (it never wrote a heartbeat)")
             continue
         gone = "its process is gone" if _process_gone(beat) else "it died (killed or crashed) or froze"
-        parts.append(f"global rank {r} is gone: its last heartbeat came {now_unix - beat.time_unix:.1f} s ago, at "
-                     f"step {beat.step} in {beat.phase}, from pid {beat.pid} on {beat.host}; {gone}")
+        parts.append(
+            f"global rank {r} is gone: its last heartbeat came {now_unix - beat.time_unix:.1f} s ago, at "
+            f"step {beat.step} in {beat.phase}, from pid {beat.pid} on {beat.host}; {gone}"
+        )
     if not parts:
         parts.append("every other rank is still beating or left with an error of its own")
-    return (f"hang doctor: global rank {rank} lost a peer at step {step} ({type(error).__name__}: {first[:160]}); "
-            + "; ".join(parts) + ".")
-
+    return (
+        f"hang doctor: global rank {rank} lost a peer at step {step} ({type(error).__name__}: {first[:160]}); "
+        + "; ".join(parts)
+        + "."
+    )

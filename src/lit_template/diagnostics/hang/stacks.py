@@ -28,7 +28,7 @@ def short_path(filename: str) -> str:
             return path.split(marker, 1)[1]
     cwd = os.getcwd().replace("\\", "/").rstrip("/") + "/"
     if path.startswith(cwd):
-        return path[len(cwd):]
+        return path[len(cwd) :]
     lib = f"/lib/python{sys.version_info.major}.{sys.version_info.minor}/"
     if lib in path:
         return path.split(lib, 1)[1]
@@ -66,8 +66,13 @@ def collective_of(stack: list[Frame], distributed: bool) -> str | None:
         path = frame.filename.replace("\\", "/")
         if "/torch/distributed/" in path:
             # the innermost public function of torch.distributed (all_reduce, barrier, ...), not its wrappers
-            public = [f for f in stack[i:] if "/torch/distributed/" in f.filename.replace("\\", "/")
-                      and not f.function.startswith("_") and f.function != "wrapper"]
+            public = [
+                f
+                for f in stack[i:]
+                if "/torch/distributed/" in f.filename.replace("\\", "/")
+                and not f.function.startswith("_")
+                and f.function != "wrapper"
+            ]
             return f"torch.distributed.{(public[0] if public else frame).function}"
         if path.endswith("/torch/nn/parallel/distributed.py"):
             if "broadcast" in frame.function or "buffers" in frame.function:
@@ -76,5 +81,3 @@ def collective_of(stack: list[Frame], distributed: bool) -> str | None:
         if i == 0 and frame.function == "_engine_run_backward":
             return "DDP gradient all-reduce in backward"
     return None
-
-

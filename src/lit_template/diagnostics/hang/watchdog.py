@@ -16,9 +16,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from lit_template.diagnostics.hang.heartbeat import Heartbeat, Verdict, diagnose, format_table
 from lit_template.diagnostics.hang.stacks import collective_of, thread_stack
@@ -85,15 +85,17 @@ class Watchdog(threading.Thread):
     def run(self) -> None:
         try:
             self._loop()
-        except Exception:  # a bug here must not take training down; say it once
+        except Exception:  # noqa: BLE001  (a bug here must not take training down; say it once)
             say(f"hang doctor: watchdog of rank {self.cfg.global_rank} failed and stopped:\n{traceback.format_exc()}")
 
     def _recovered(self, last: tuple[float, str]) -> None:
         """After a reported stall (on_stall=report): say so once the rank makes progress again."""
         t, phase = last
         if self._reported_at is not None and t != self._reported_at:
-            say(f"hang doctor: rank {self.cfg.global_rank} made progress again after {t - self._reported_at:.1f} s "
-                f"(step {self._step()}, {phase})")
+            say(
+                f"hang doctor: rank {self.cfg.global_rank} made progress again after {t - self._reported_at:.1f} s "
+                f"(step {self._step()}, {phase})"
+            )
             self.longest_idle_s = max(self.longest_idle_s, t - self._reported_at)
             self._reported_at = None
 
@@ -118,7 +120,7 @@ class Watchdog(threading.Thread):
     def _step(self) -> int:
         try:
             return int(self.step_fn())
-        except Exception:
+        except Exception:  # noqa: BLE001  (read from another thread: the trainer may be mid-teardown)
             return -1
 
     def beat(self) -> None:
@@ -130,12 +132,20 @@ class Watchdog(threading.Thread):
         # called from the training thread itself (at start and stop), its stack would only show this function
         stack = [] if threading.get_ident() == self.target_ident else thread_stack(self.target_ident)
         return Heartbeat(
-            global_rank=self.cfg.global_rank, host=self.host, pid=os.getpid(), step=self._step(), phase=phase or last_phase,
+            global_rank=self.cfg.global_rank,
+            host=self.host,
+            pid=os.getpid(),
+            step=self._step(),
+            phase=phase or last_phase,
             where=stack[0].where if stack else None,
             waiting_in=collective_of(stack, self.cfg.world_size > 1),
-            stalled=stalled, alive=alive, no_progress_s=round(time.monotonic() - t, 3),
-            last_progress_unix=round(t + self._start_unix_offset, 3), time_unix=round(time.time(), 3),
-            stack=[f.where for f in stack[:12]], longest_idle_s=round(self.longest_idle_s, 3),
+            stalled=stalled,
+            alive=alive,
+            no_progress_s=round(time.monotonic() - t, 3),
+            last_progress_unix=round(t + self._start_unix_offset, 3),
+            time_unix=round(time.time(), 3),
+            stack=[f.where for f in stack[:12]],
+            longest_idle_s=round(self.longest_idle_s, 3),
         )
 
     def _write_beat(self, beat: Heartbeat) -> None:
@@ -157,11 +167,13 @@ class Watchdog(threading.Thread):
         for extra in cfg.extra_dumps:
             try:
                 beat.collectives = extra() or beat.collectives
-            except Exception as err:  # best effort: the stacks are what matters
+            except Exception as err:  # noqa: BLE001  (best effort: the stacks are what matters)
                 say(f"hang doctor: rank {cfg.global_rank}: {err}")
         self._write_beat(beat)
-        say(f"hang doctor: rank {cfg.global_rank} made no progress for {idle:.1f} s (step {beat.step}, {beat.phase}, "
-            f"at {beat.where}); its stacks are in {dump}")
+        say(
+            f"hang doctor: rank {cfg.global_rank} made no progress for {idle:.1f} s (step {beat.step}, {beat.phase}, "
+            f"at {beat.where}); its stacks are in {dump}"
+        )
 
         beats = self._gather(time.monotonic() + cfg.grace_s)
         stale_after_s = 3 * cfg.heartbeat_interval_s + cfg.grace_s + 5
@@ -170,8 +182,10 @@ class Watchdog(threading.Thread):
         if verdict.reporter == cfg.global_rank or not self._wait_for_summary(summary, stalled_unix - cfg.grace_s):
             self._report(beats, verdict, summary)
         if cfg.on_stall == "abort":
-            say(f"hang doctor: aborting rank {cfg.global_rank} (exit code {cfg.exit_code}): {verdict.sentence}",
-                logging.ERROR)
+            say(
+                f"hang doctor: aborting rank {cfg.global_rank} (exit code {cfg.exit_code}): {verdict.sentence}",
+                logging.ERROR,
+            )
             _flush_all()
             os._exit(cfg.exit_code)
 
@@ -200,23 +214,32 @@ class Watchdog(threading.Thread):
         cfg = self.cfg
         table = format_table(beats, verdict, cfg.world_size)
         steps = [b.step for b in beats.values() if b is not None]
-        say(f"hang doctor: training stalled (no progress for stall_timeout_s={cfg.stall_timeout_s:g}); "
-            f"on_stall={cfg.on_stall}; stack dumps in {cfg.hang_dir}\n{table}\n{verdict.sentence}", logging.ERROR)
-        write_json(path, {
-            "kind": "hang",
-            "global_step": min(steps) if steps else None,
-            "ranks": list(range(cfg.world_size)),
-            "stuck_ranks": verdict.stuck_ranks,
-            "waiting_ranks": verdict.waiting_ranks,
-            "silent_ranks": verdict.silent_ranks,
-            "reason": verdict.reason,
-            "sentence": verdict.sentence,
-            "on_stall": cfg.on_stall,
-            "stall_timeout_s": cfg.stall_timeout_s,
-            "reported_by": cfg.global_rank,
-            "time_unix": round(time.time(), 3),
-            "table": [dataclasses.asdict(b) if b else {"global_rank": r, "phase": "no heartbeat"} for r, b in beats.items()],
-        })
+        say(
+            f"hang doctor: training stalled (no progress for stall_timeout_s={cfg.stall_timeout_s:g}); "
+            f"on_stall={cfg.on_stall}; stack dumps in {cfg.hang_dir}\n{table}\n{verdict.sentence}",
+            logging.ERROR,
+        )
+        write_json(
+            path,
+            {
+                "kind": "hang",
+                "global_step": min(steps) if steps else None,
+                "ranks": list(range(cfg.world_size)),
+                "stuck_ranks": verdict.stuck_ranks,
+                "waiting_ranks": verdict.waiting_ranks,
+                "silent_ranks": verdict.silent_ranks,
+                "reason": verdict.reason,
+                "sentence": verdict.sentence,
+                "on_stall": cfg.on_stall,
+                "stall_timeout_s": cfg.stall_timeout_s,
+                "reported_by": cfg.global_rank,
+                "time_unix": round(time.time(), 3),
+                "table": [
+                    dataclasses.asdict(b) if b else {"global_rank": r, "phase": "no heartbeat"}
+                    for r, b in beats.items()
+                ],
+            },
+        )
 
 
 def write_stack_dump(path: Path, beat: Heartbeat, target_ident: int, cfg: WatchdogConfig) -> None:
@@ -226,7 +249,8 @@ def write_stack_dump(path: Path, beat: Heartbeat, target_ident: int, cfg: Watchd
     lines = [
         f"hang doctor: rank {cfg.global_rank} of {cfg.world_size} on {beat.host} (pid {beat.pid}) made no progress for "
         f"{beat.no_progress_s:.1f} s (stall_timeout_s={cfg.stall_timeout_s:g})",
-        f"last progress: step {beat.step}, phase {beat.phase}, at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(beat.last_progress_unix))}",
+        f"last progress: step {beat.step}, phase {beat.phase}, at "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(beat.last_progress_unix))}",
         f"where: {beat.where}",
         f"waiting in: {beat.waiting_in or '-'}",
         "",
@@ -245,12 +269,10 @@ def _flush_all() -> None:
     for handler in logging.getLogger().handlers + logging.getLogger("lit_template").handlers:
         try:
             handler.flush()
-        except Exception:
+        except Exception:  # noqa: BLE001  (about to exit: a handler that cannot flush is no reason to stop)
             pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:
+        except Exception:  # noqa: BLE001
             pass
-
-

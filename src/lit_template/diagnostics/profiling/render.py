@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from lit_template.diagnostics.profiling.stats import GlobalWindow
 from lit_template.diagnostics.profiling.timer import DATA_WAIT
@@ -30,37 +31,64 @@ def render_markdown(report: dict[str, Any]) -> str:
         ("samples/s global", _fmt(th["samples_per_s_global"])),
     ]
     if "tokens_per_s_global" in th:
-        rows += [("tokens/s per device (rank 0)", _fmt(th["tokens_per_s"])),
-                 ("tokens/s global", _fmt(th["tokens_per_s_global"]))]
+        rows += [
+            ("tokens/s per device (rank 0)", _fmt(th["tokens_per_s"])),
+            ("tokens/s global", _fmt(th["tokens_per_s_global"])),
+        ]
     if "mfu" in report:
         rows.append(("MFU (%)", _fmt(report["mfu"]["mfu_pct"])))
     for name, span in report["memory"].items():
         rows.append((f"{name} (min / max over ranks)", f"{_fmt(span['min'])} / {_fmt(span['max'])}"))
     if report.get("stragglers"):
         s = report["stragglers"]
-        rows.append(("slowest rank (most windows)", f"{s['slowest_global_rank']} "
-                                                    f"({s['times_slowest'][str(s['slowest_global_rank'])]} of "
-                                                    f"{s['windows']} windows)"))
+        rows.append(
+            (
+                "slowest rank (most windows)",
+                f"{s['slowest_global_rank']} "
+                f"({s['times_slowest'][str(s['slowest_global_rank'])]} of "
+                f"{s['windows']} windows)",
+            )
+        )
         rows.append(("straggler lag mean / max (ms)", f"{_fmt(s['lag_ms_mean'])} / {_fmt(s['lag_ms_max'])}"))
-    lines = [f"# Profile: {report['ranks']} rank(s) on {report['device']}, {report['global_step']} steps", "",
-             "| metric | value |", "|---|---|"]
+    lines = [
+        f"# Profile: {report['ranks']} rank(s) on {report['device']}, {report['global_step']} steps",
+        "",
+        "| metric | value |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {v} |" for k, v in rows]
-    lines += ["", "## Per rank", "",
-              "| rank | steps | step time mean (ms) | step time p50 (ms) | pre-sync mean (ms) | data wait (%) "
-              "| samples/s | RSS max (GiB) |", "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Per rank",
+        "",
+        "| rank | steps | step time mean (ms) | step time p50 (ms) | pre-sync mean (ms) | data wait (%) "
+        "| samples/s | RSS max (GiB) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["per_rank"]:
-        lines.append(f"| {r['global_rank']} | {r['steps']} | {_fmt(r['step_time_ms_mean'])} "
-                     f"| {_fmt(r['step_time_ms_p50'])} | {_fmt(r['pre_sync_ms_mean'])} | {_fmt(r['data_wait_pct'])} "
-                     f"| {_fmt(r['samples_per_s'])} | {_fmt(r['rss_gib_max'])} |")
-    lines += ["", "Step time runs from one optimizer step's end to the next, validation excluded; data wait is "
-              f"{DATA_WAIT}; pre-sync is a rank's own time to the "
-              "backward of the step's last micro-batch (less what it waited in forward for other ranks), where the "
-              "gradient all-reduce makes every rank wait for the slowest.", ""]
+        lines.append(
+            f"| {r['global_rank']} | {r['steps']} | {_fmt(r['step_time_ms_mean'])} "
+            f"| {_fmt(r['step_time_ms_p50'])} | {_fmt(r['pre_sync_ms_mean'])} | {_fmt(r['data_wait_pct'])} "
+            f"| {_fmt(r['samples_per_s'])} | {_fmt(r['rss_gib_max'])} |"
+        )
+    lines += [
+        "",
+        "Step time runs from one optimizer step's end to the next, validation excluded; data wait is "
+        f"{DATA_WAIT}; pre-sync is a rank's own time to the "
+        "backward of the step's last micro-batch (less what it waited in forward for other ranks), where the "
+        "gradient all-reduce makes every rank wait for the slowest.",
+        "",
+    ]
     return "\n".join(lines)
 
 
-def plot_profile(path: Any, own_steps: Sequence[int], own_step_ms: Sequence[float], windows: Iterable[GlobalWindow],
-                 max_ranks_drawn: int = 16) -> None:
+def plot_profile(
+    path: Any,
+    own_steps: Sequence[int],
+    own_step_ms: Sequence[float],
+    windows: Iterable[GlobalWindow],
+    max_ranks_drawn: int = 16,
+) -> None:
     """Step time over steps per rank (top) and the data-wait share (bottom), as a PNG."""
     import matplotlib
 
@@ -80,10 +108,22 @@ def plot_profile(path: Any, own_steps: Sequence[int], own_step_ms: Sequence[floa
         if not pts:
             continue
         xs = [p[0] for p in pts]
-        top.plot(xs, [p[1].step_time_s_p50 * 1e3 for p in pts], color=color, marker="o", ms=3,
-                 label=f"rank {rank}, p50 per window")
-        top.plot(xs, [p[1].pre_sync_s_mean * 1e3 for p in pts], color=color, ls=":", lw=1.2,
-                 label=f"rank {rank}, own time to the gradient sync")
+        top.plot(
+            xs,
+            [p[1].step_time_s_p50 * 1e3 for p in pts],
+            color=color,
+            marker="o",
+            ms=3,
+            label=f"rank {rank}, p50 per window",
+        )
+        top.plot(
+            xs,
+            [p[1].pre_sync_s_mean * 1e3 for p in pts],
+            color=color,
+            ls=":",
+            lw=1.2,
+            label=f"rank {rank}, own time to the gradient sync",
+        )
         bottom.plot(xs, [p[1].data_wait_pct for p in pts], color=color, marker="o", ms=3, label=f"rank {rank}")
     top.set_ylabel("step time (ms)")
     top.set_ylim(bottom=0)

@@ -6,8 +6,9 @@ Nothing here touches the Trainer, so the math is tested with a patched clock (te
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -47,7 +48,7 @@ class WindowStats:
     step_time_s_max: float
 
     @classmethod
-    def from_records(cls, records: Sequence[StepRecord]) -> "WindowStats":
+    def from_records(cls, records: Sequence[StepRecord]) -> WindowStats:
         times = [r.step_time_s for r in records]
         return cls(
             steps=len(records),
@@ -93,7 +94,7 @@ class MemoryStats:
     ooms: float = math.nan
 
     @classmethod
-    def sample(cls, device: torch.device, process: Any = None) -> "MemoryStats":
+    def sample(cls, device: torch.device, process: Any = None) -> MemoryStats:
         """``process``: a ``psutil.Process`` to reuse (making one reads several files in /proc)."""
         if process is None:
             import psutil
@@ -121,17 +122,23 @@ class RankWindow:
     memory: MemoryStats
 
     def encode(self) -> list[float]:
-        return [float(self.global_rank)] + [float(getattr(self.window, f.name)) for f in fields(WindowStats)] + [
-            float(getattr(self.memory, f.name)) for f in fields(MemoryStats)
-        ]
+        return (
+            [float(self.global_rank)]
+            + [float(getattr(self.window, f.name)) for f in fields(WindowStats)]
+            + [float(getattr(self.memory, f.name)) for f in fields(MemoryStats)]
+        )
 
     @classmethod
-    def decode(cls, row: Sequence[float]) -> "RankWindow":
+    def decode(cls, row: Sequence[float]) -> RankWindow:
         n_w = len(fields(WindowStats))
         w_vals, m_vals = row[1 : 1 + n_w], row[1 + n_w :]
-        window = WindowStats(**{f.name: (int(v) if f.name == "steps" else float(v))
-                                for f, v in zip(fields(WindowStats), w_vals)})
-        memory = MemoryStats(**{f.name: float(v) for f, v in zip(fields(MemoryStats), m_vals)})
+        window = WindowStats(
+            **{
+                f.name: (int(v) if f.name == "steps" else float(v))
+                for f, v in zip(fields(WindowStats), w_vals, strict=True)
+            }
+        )
+        memory = MemoryStats(**{f.name: float(v) for f, v in zip(fields(MemoryStats), m_vals, strict=True)})
         return cls(int(row[0]), window, memory)
 
     @staticmethod
@@ -165,8 +172,9 @@ def find_straggler(step: int, ranks: Sequence[RankWindow]) -> Straggler | None:
     lag = pre_sync[slowest] - median(others)
     step_time = median([r.window.step_time_s_mean for r in live])
     waits = [pre_sync[slowest] - v for v in pre_sync.values()]
-    return Straggler(step, slowest, lag, 100.0 * lag / step_time if step_time > 0 else math.nan,
-                     sum(waits) / len(waits))
+    return Straggler(
+        step, slowest, lag, 100.0 * lag / step_time if step_time > 0 else math.nan, sum(waits) / len(waits)
+    )
 
 
 @dataclass

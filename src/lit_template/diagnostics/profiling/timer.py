@@ -7,16 +7,18 @@ Data wait is defined once, in ``DATA_WAIT`` (``StepRecord.data_wait_s``); the re
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-
 # The one definition of data wait, quoted by the report and the docs.
-DATA_WAIT = ("the host time the training loop spends fetching the next batch from its dataloader (between the loop's "
-             "fetch marks, lightning_compat.hook_fetch), plus, for an epoch's first batch, creating the iterator "
-             "(workers starting); other callbacks' hooks and logging between batches are step time, not data wait")
+DATA_WAIT = (
+    "the host time the training loop spends fetching the next batch from its dataloader (between the loop's "
+    "fetch marks, lightning_compat.hook_fetch), plus, for an epoch's first batch, creating the iterator "
+    "(workers starting); other callbacks' hooks and logging between batches are step time, not data wait"
+)
 
 
 class CpuClock:
