@@ -37,8 +37,10 @@ format:  ## fix what ruff can fix, then format
 	.venv/bin/ruff format .
 
 bench:  ## the template versus a hand-written loop (1 process, then 2 over gloo), then each callback's own overhead
-	$(PY) scripts/benchmark.py
-	$(PY) scripts/benchmark.py --ddp
+	$(PY) scripts/benchmark.py --batch-size 256 --per-callback
+	$(PY) scripts/benchmark.py --batch-size 1024 --per-callback
+	$(PY) scripts/benchmark.py --batch-size 4096
+	$(PY) scripts/benchmark.py --batch-size 1024 --ddp
 	$(PY) scripts/bench_sync_check.py
 	OMP_NUM_THREADS=1 $(PY) scripts/bench_profiling.py
 	$(PY) scripts/bench_hang_doctor.py

@@ -29,7 +29,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # the template's own callbacks; variant (c) turns off those present in conf/callbacks/default.yaml
-OWN_CALLBACKS = ("sync_check", "profiling", "hang_doctor", "nonfinite_guard", "rng_state")
+OWN_CALLBACKS = (
+    "sync_check",
+    "profiling",
+    "hang_doctor",
+    "nonfinite_guard",
+    "rng_state",
+    "last_checkpoint",
+    "preemption",
+)
+# --per-callback: each one on alone against all off, in the same rounds (preemption saves through last_checkpoint)
+ALONE = {"preemption": ("last_checkpoint", "preemption")}
 
 
 def compose(overrides: list[str]):
@@ -133,6 +143,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4, help="times each variant runs, interleaved")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process (OMP_NUM_THREADS)")
     parser.add_argument("--ddp", action="store_true", help="2 gloo processes instead of 1")
+    parser.add_argument(
+        "--per-callback", action="store_true", help="also each template callback on alone (vs all off): us per step"
+    )
     parser.add_argument("--raw-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -190,6 +203,16 @@ def main() -> None:
         "c": ("train.py, sync check + profiling off", [sys.executable, "train.py", *common, *sync_prof_off, *timer]),
         "d": ("train.py, all template callbacks off", [sys.executable, "train.py", *common, *own_off, *timer]),
     }
+    if args.per_callback:
+        for name in OWN_CALLBACKS:
+            if name not in default_callbacks:
+                continue
+            on = ALONE.get(name, (name,))
+            off = [o for o in own_off if o.split("=")[0].removeprefix("callbacks.") not in on]
+            variants[f"d+{name}"] = (
+                f"all off but {' + '.join(on)}",
+                [sys.executable, "train.py", *common, *off, *timer],
+            )
     per_round: dict[str, list[tuple[float, float, float]]] = {key: [] for key in variants}
     for round_ in range(args.rounds):
         # a b c d, then d c b a: a slow drift of the machine's speed falls on every variant alike
@@ -225,6 +248,23 @@ def main() -> None:
     print("(step ms: median of the rounds' medians; ratio: median over rounds of the ratio to (a) in that round)")
     for name, i in (("wall time", 0), ("CPU time", 1)):
         print(f"{name:>9}: b/a = {ratios['b'][i]:.3f}   c/a = {ratios['c'][i]:.3f}   d/a = {ratios['d'][i]:.3f}")
+    # the spread: the same ratio in each round (how far apart repeated measurements of one thing land)
+    for key in ("b", "c", "d"):
+        per = [row[0] / base[0] for row, base in zip(per_round[key], per_round["a"], strict=True)]
+        print(f"spread of {key}/a over the {args.rounds} rounds: {min(per):.3f} .. {max(per):.3f}")
+    b_over_d = [b[0] / d[0] for b, d in zip(per_round["b"], per_round["d"], strict=True)]
+    print(
+        f"b/d (the template's own callbacks together): {statistics.median(b_over_d):.3f} "
+        f"(rounds: {min(b_over_d):.3f} .. {max(b_over_d):.3f})"
+    )
+    alone = [key for key in variants if key.startswith("d+")]
+    if alone:
+        print("each callback on alone, against all off in the same round (median over rounds):")
+        for key in alone:
+            us = [(row[0] - d[0]) * 1e3 for row, d in zip(per_round[key], per_round["d"], strict=True)]
+            print(
+                f"  {key[2:]:<16} {statistics.median(us):>8.0f} us per step  (rounds: {min(us):.0f} .. {max(us):.0f})"
+            )
     print(f"(c) turns off: {', '.join(sync_prof_off)}; (d) turns off: {', '.join(own_off)}")
 
 

@@ -69,11 +69,13 @@ def test_nan_loss_on_one_rank_stops_every_rank_in_the_same_step(train):
     )
     assert run.returncode != 0, run.output[-3000:]
     assert "non-finite loss on rank 1 at step 3 (loss=nan); stopping every rank" in run.output, run.output[-4000:]
-    # both ranks raised, in the same step
-    assert "error: rank 0 failed at step 3: NonFiniteError" in run.output, run.output[-4000:]
-    assert "error: rank 1 failed at step 3: NonFiniteError" in run.output, run.output[-4000:]
+    # both ranks raised in the same step: the next one, as the flags are read one step later (no host sync per step)
+    assert "stopping every rank at step 4" in run.output
+    assert "error: rank 0 failed at step 4: NonFiniteError" in run.output, run.output[-4000:]
+    assert "error: rank 1 failed at step 4: NonFiniteError" in run.output, run.output[-4000:]
     (event,) = records(run.run_dir(), "nonfinite.jsonl")
     assert event["kind"] == "nonfinite" and event["global_step"] == 3 and event["ranks"] == [1]
+    assert event["stopped_at"] == 4
     assert event["what"] == "loss" and event["action"] == "stop"
 
 

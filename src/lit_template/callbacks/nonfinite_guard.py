@@ -43,6 +43,8 @@ class NonFiniteEvent:
     tensor: str | None  # the first parameter whose gradient is not finite (what == "grad")
     loss: dict[str, float]  # rank -> its loss at that step
     action: str  # "stop" | "skip"
+    # on_nonfinite=stop: the step every rank stopped at, before its update (the flags are read one step later)
+    stopped_at: int | None = None
 
     def sentence(self) -> str:
         ranks = ", ".join(str(r) for r in self.ranks)
@@ -53,8 +55,48 @@ class NonFiniteEvent:
         else:
             head = f"non-finite gradient of {self.tensor} on {label} at step {self.global_step}"
         if self.action == "stop":
-            return f"{head}; stopping every rank (callbacks.nonfinite_guard.on_nonfinite=skip skips such steps)"
+            when = f" at step {self.stopped_at}" if self.stopped_at is not None else ""
+            return f"{head}; stopping every rank{when} (callbacks.nonfinite_guard.on_nonfinite=skip skips such steps)"
         return f"{head}; skipping this optimizer step on every rank"
+
+
+class PendingHostCopy:
+    """One small device tensor copied to the host without waiting, read later: on a GPU the copy goes into pinned
+    memory behind a CUDA event, and reading it waits only for that copy (long done by the next step). Read through a
+    NumPy view made once, so the per-step read calls no tensor method (tests/test_host_sync.py counts those)."""
+
+    def __init__(self) -> None:
+        self._host: torch.Tensor | None = None
+        self._view: Any = None
+        self._event: Any = None
+        self._step: int | None = None
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        """The host buffer, made once before training (pinned when the tensors come from a GPU)."""
+        self._host = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+        self._view = self._host.numpy()
+
+    def put(self, tensor: torch.Tensor, step: int) -> None:
+        on_cuda = tensor.device.type == "cuda"
+        if self._host is None or self._host.shape != tensor.shape or self._host.dtype != tensor.dtype:
+            self.allocate(tuple(tensor.shape), tensor.dtype, tensor.device)
+        self._host.copy_(tensor, non_blocking=on_cuda)
+        if on_cuda:
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._step = step
+
+    def take(self) -> tuple[Any, int] | None:
+        """(the host values, the step they were put at), or None when nothing is pending."""
+        if self._step is None:
+            return None
+        if self._event is not None:
+            self._event.synchronize()
+        step, self._step, self._event = self._step, None, None
+        return self._view, step
+
+    def clear(self) -> None:
+        self._step, self._event = None, None
 
 
 class NonFiniteGuard(L.Callback):
@@ -72,6 +114,7 @@ class NonFiniteGuard(L.Callback):
                 f"callbacks.nonfinite_guard.on_nonfinite={on_nonfinite!r}: choose one of {', '.join(CHOICES)}"
             )
         self.on_nonfinite, self.check_grads = on_nonfinite, check_grads
+        self._pending = PendingHostCopy()
         self._reset()
 
     def _reset(self) -> None:
@@ -108,7 +151,36 @@ class NonFiniteGuard(L.Callback):
         self._reset()
         # every rank, every optimizer step, the same one collective
         flags = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local
-        flags = flags.reshape(-1, 4).cpu()
+        flags = flags.reshape(-1, 4)
+        if self.on_nonfinite == "skip":
+            # the step's own update must be dropped, so its flags are read now: one host sync per step
+            self._act(trainer, pl_module, optimizer, flags.cpu().numpy(), trainer.global_step)
+            return
+        # stop: this step's flags are copied to the host without waiting and read at the next step (or at train end),
+        # so no step waits for the device; every rank reads the same gathered flags and stops at that same step
+        self._read_pending(trainer, pl_module, optimizer)
+        self._pending.put(flags, trainer.global_step)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._pending.clear()
+        self._pending.allocate((trainer.world_size, 4), torch.float64, pl_module.device)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._read_pending(trainer, pl_module, None)  # before validation runs on what the epoch's last step made
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._read_pending(trainer, pl_module, None)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._pending.clear()
+
+    def _read_pending(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        taken = self._pending.take()
+        if taken is not None:
+            self._act(trainer, pl_module, optimizer, *taken)
+
+    def _act(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any, flags: Any, step: int) -> None:
+        """Report and stop (or skip) when the gathered ``flags`` (one row per rank, host memory) say so."""
         loss_ranks = [r for r in range(flags.shape[0]) if flags[r, 0] > 0]
         grad_ranks = [r for r in range(flags.shape[0]) if flags[r, 1] > 0]
         if not loss_ranks and not grad_ranks:
@@ -118,12 +190,13 @@ class NonFiniteGuard(L.Callback):
         tensor = names[int(flags[ranks[0], 2])] if what == "grad" else None
         event = NonFiniteEvent(
             kind="nonfinite",
-            global_step=trainer.global_step,
+            global_step=step,
             ranks=ranks,
             what=what,
             tensor=tensor,
             loss={str(r): float(flags[r, 3]) for r in range(flags.shape[0])},
             action=self.on_nonfinite,
+            stopped_at=trainer.global_step if self.on_nonfinite == "stop" else None,
         )
         self._report(trainer, event)
         if self.on_nonfinite == "stop":

@@ -87,7 +87,10 @@ class StepVote:
         self.world_size, self.global_rank, self.slots = world_size, global_rank, slots_per_rank
         self._group: Any = None
         self._work: Any = None
-        self._buffer: torch.Tensor | None = None
+        # one CPU buffer, reused: a vote is read before the next one is sent. Filled and read through a NumPy view
+        # made once, so a step calls no tensor method on it
+        self._buffer = torch.zeros(world_size * slots_per_rank, dtype=torch.int64)
+        self._view = self._buffer.numpy()
         if world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError("StepVote with world_size > 1 needs an initialised process group")
@@ -99,13 +102,10 @@ class StepVote:
         """Send this step's ``numbers``; return the last vote's result per rank (None at the first vote)."""
         if self.world_size == 1:
             return [list(numbers)]
-        result = self._collect()
-        buffer = torch.zeros(self.world_size * self.slots, dtype=torch.int64)
-        buffer[self.global_rank * self.slots : (self.global_rank + 1) * self.slots] = torch.tensor(
-            numbers, dtype=torch.int64
-        )
-        self._work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
-        self._buffer = buffer
+        result = self._collect()  # the buffer is free again once the last vote is read
+        self._view[:] = 0
+        self._view[self.global_rank * self.slots : (self.global_rank + 1) * self.slots] = numbers
+        self._work = dist.all_reduce(self._buffer, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
         return result
 
     def vote_now(self, numbers: list[int]) -> list[list[int]]:
@@ -122,8 +122,8 @@ class StepVote:
         if self._work is None:
             return None
         self._work.wait()
-        values = self._buffer.tolist()
-        self._work = self._buffer = None
+        values = [int(v) for v in self._view]
+        self._work = None
         return [values[r * self.slots : (r + 1) * self.slots] for r in range(self.world_size)]
 
 

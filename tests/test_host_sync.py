@@ -1,0 +1,57 @@
+"""No host-device sync per training step at the defaults: on a GPU every ``.item()``, ``.tolist()``, ``.cpu()``,
+``bool(tensor)`` of a device tensor waits for the device. Counted on the CPU by wrapping those tensor methods
+(tests/host_reads.py) over 100+ optimizer steps of ``python train.py``, as shipped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+RUN = (
+    "trainer.max_epochs=5",
+    "trainer.limit_val_batches=2",
+    "test=false",
+    "extras.print_config=false",
+    "callbacks.early_stopping=null",
+    "+callbacks.hostreads._target_=host_reads.HostReads",
+)
+
+
+def reads(train, tmp_path, *overrides: str) -> dict:
+    out = tmp_path / "reads.json"
+    train(*RUN, f"+callbacks.hostreads.out={out}", *overrides, env={"PYTHONPATH": str(TESTS)}, timeout=200)
+    data = json.loads(out.read_text())
+    assert data["steps"] >= 100, data["steps"]
+    return data
+
+
+def outside_log_steps(data: dict, owner: str, every: int = 100) -> dict[int, int]:
+    """Reads per step, at steps where Lightning does not log; the sync check's own cadence (every 100 steps, at
+    ``global_step % 100 == 0``) is not a per-step cost either."""
+    allowed = set(data["log_steps"]) | set(range(0, data["steps"] + 1, every))
+    counts = {int(k.split(":")[0]): v for k, v in data["per_step"].items() if k.endswith(f":{owner}")}
+    return {step: n for step, n in counts.items() if step not in allowed}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+# each rank has half the data under ddp_cpu: twice the epochs for 100+ steps
+@pytest.mark.parametrize("launch", [(), ("trainer=ddp_cpu", "trainer.max_epochs=10")], ids=["1-process", "ddp_cpu"])
+def test_no_host_read_per_step_outside_log_steps_at_the_defaults(train, tmp_path, launch):
+    data = reads(train, tmp_path, *launch)
+    where = sorted(data["where"].items(), key=lambda kv: -kv[1])
+    assert outside_log_steps(data, "template") == {}, where  # the shipped callbacks and the LightningModule
+    assert outside_log_steps(data, "lightning") == {}, where  # Lightning's loop with the shipped configs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_counter_sees_the_one_read_per_step_that_nan_skipping_needs(train, tmp_path):
+    # on_nonfinite=skip must decide before the step's own update, so it reads the flags in the step (documented)
+    data = reads(train, tmp_path, "callbacks.nonfinite_guard.on_nonfinite=skip")
+    per_step = outside_log_steps(data, "template")
+    assert len(per_step) >= 80 and set(per_step.values()) == {2}, per_step  # .cpu() and .numpy(), every step
+    assert any("nonfinite_guard.py" in where for where in data["where"]), data["where"]
