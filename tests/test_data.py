@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 import struct
 from pathlib import Path
@@ -105,3 +106,89 @@ def test_train_py_on_mnist_files(train, tmp_path):
     # the class is the stripe's row: easy for the MLP, which sees positions (the CNN's global pooling mostly does not);
     # chance is 0.1
     assert run.last_value("test/acc") >= 0.5
+
+
+# -- every sample once under DDP, global batch size, k-fold ---------------------------------------------------------
+@pytest.mark.parametrize("n, world", [(359, 2), (10, 3), (5, 4), (1, 2)])
+def test_eval_sampler_gives_every_sample_to_exactly_one_rank(n, world):
+    from lit_template.data.sampling import EvalSampler
+
+    shards = [list(EvalSampler(list(range(n)), world, rank)) for rank in range(world)]
+    assert sorted(i for shard in shards for i in shard) == list(range(n))  # no sample twice, none left out
+    assert [len(EvalSampler(list(range(n)), world, r)) for r in range(world)] == [len(s) for s in shards]
+
+
+def test_k_folds_partition_the_training_pool_and_leave_the_test_split_alone():
+    vals, tests = [], []
+    for fold in range(3):
+        dm = DigitsDataModule(num_folds=3, fold=fold)
+        dm.setup()
+        vals.append({tuple(x.flatten().tolist()) for x, _ in dm.data_val})
+        train = {tuple(x.flatten().tolist()) for x, _ in dm.data_train}
+        assert not train & vals[-1]
+        tests.append(len(dm.data_test))
+    assert not (vals[0] & vals[1] or vals[0] & vals[2] or vals[1] & vals[2])
+    plain = DigitsDataModule()
+    plain.setup()
+    assert len(set().union(*vals)) == len(plain.data_train) + len(plain.data_val)  # the folds cover the pool
+    assert tests == [len(plain.data_test)] * 3
+    with pytest.raises(ConfigError, match=r"data\.num_folds=3, data\.fold=3"):
+        DigitsDataModule(num_folds=3, fold=3)
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_ddp_test_counts_every_sample_once_and_matches_one_process(train, evaluate, tmp_path):
+    # the digits test split has 359 samples: not divisible by 2 ranks (Lightning's sampler would pad one)
+    trained = train("trainer.max_epochs=1", "test=false", "extras.print_config=false", timeout=180)
+    ckpt = trained.run_dir() / "checkpoints" / "last.ckpt"
+    one = evaluate(f"ckpt_path={ckpt}", log_dir=tmp_path / "one", timeout=180)
+    two = evaluate(f"ckpt_path={ckpt}", "trainer=ddp_cpu", log_dir=tmp_path / "two", timeout=180)
+    assert "replicates some samples" not in two.output  # Lightning's warning for its padded sampler
+    assert one.last_value("test/acc", task="eval") == two.last_value("test/acc", task="eval")
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_global_batch_size_is_divided_over_the_ranks_and_logged(train):
+    run = train(
+        "trainer=ddp_cpu",
+        "data.global_batch_size=128",
+        "trainer.max_epochs=1",
+        "test=false",
+        "extras.print_config=false",
+        timeout=200,
+    )
+    hparams = (run.run_dir() / "csv" / "version_0" / "hparams.yaml").read_text()
+    assert "data/batch_size_per_device: 64" in hparams and "data/global_batch_size: 128" in hparams
+    # 1,294 training samples, 647 per rank, in batches of 64: 11 steps
+    ckpt = torch.load(run.run_dir() / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 11, ckpt["global_step"]
+    bad = train("trainer=ddp_cpu", "data.global_batch_size=127", timeout=200, check=False)
+    assert bad.returncode == 2 and "data.global_batch_size=127 does not divide over 2 rank(s)" in bad.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_k_fold_sweep_reports_the_mean_and_std_over_folds(train):
+    run = train(
+        "-m",
+        "data.num_folds=3",
+        "data.fold=0,1,2",
+        "trainer.max_epochs=2",
+        "test=false",
+        "extras.print_config=false",
+        "callbacks.rich_progress_bar=null",
+        timeout=380,
+    )
+    (sweep,) = (run.log_dir / "train" / "multiruns").iterdir()
+    summary = json.loads((sweep / "summary.json").read_text())
+    (group,) = summary["folds"]
+    values = [j["value"] for j in summary["jobs"]]
+    assert group["folds"] == ["0", "1", "2"] and group["n"] == 3
+    assert group["mean"] == pytest.approx(sum(values) / 3)
+    assert group["std"] == pytest.approx(float(np.std(values, ddof=1)))
+    assert "k-fold: data.num_folds=3" not in run.output  # shared overrides are not what the folds differ in
+    assert f"k-fold: all jobs: val/acc_best = {group['mean']:.6g}" in run.output

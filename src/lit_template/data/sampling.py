@@ -77,3 +77,21 @@ class ResumableDataLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.sampler.resume_at(int(state["epoch"]), int(state["batches"]) * int(self.batch_size))
+
+
+class EvalSampler(DistributedSampler):
+    """Validation/test shard of this rank: indices ``rank, rank + world, ...`` in order, without padding.
+
+    Lightning's own ``DistributedSampler`` for evaluation pads the last round with repeated samples so every rank
+    gets as many (and warns that ``trainer.test()`` then counts some samples twice). Here every sample is evaluated
+    exactly once across the ranks; ranks may get one batch more or less, which is safe because evaluation has no
+    gradient all-reduce and the metrics are torchmetrics objects synced once at the epoch's end.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+        self.num_samples = len(range(rank, len(dataset), num_replicas))  # type: ignore[arg-type]
+        self.total_size = len(dataset)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.total_size, self.num_replicas))

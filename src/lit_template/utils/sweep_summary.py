@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,45 @@ def _is_multirun(config: DictConfig) -> bool:
 
 
 DIRECTIONS = ("maximize", "minimize")
+
+
+FOLD = "data.fold="
+
+
+def fold_groups(rows: list[dict]) -> list[dict]:
+    """k-fold cross-validation (``-m data.fold=0,1,2,3,4``): the jobs that differ only in ``data.fold``, grouped, with
+    the mean and the sample standard deviation of the metric over the folds that completed."""
+    groups: dict[tuple[str, ...], list[dict]] = {}
+    for r in rows:
+        if any(o.startswith(FOLD) for o in r["swept"]):
+            key = tuple(o for o in r["swept"] if not o.startswith(FOLD))
+            groups.setdefault(key, []).append(r)
+    result = []
+    for key, members in groups.items():
+        values = [m["value"] for m in members if m["value"] is not None]
+        result.append(
+            {
+                "overrides": list(key),
+                "folds": [next(o for o in m["swept"] if o.startswith(FOLD))[len(FOLD) :] for m in members],
+                "jobs": [m["job"] for m in members],
+                "n": len(values),
+                "mean": statistics.fmean(values) if values else None,
+                "std": statistics.stdev(values) if len(values) > 1 else None,
+                "failed": [m["job"] for m in members if m["value"] is None],
+            }
+        )
+    return result
+
+
+def fold_sentence(group: dict, metric: str) -> str:
+    where = " ".join(group["overrides"]) or "all jobs"
+    if group["mean"] is None:
+        return f"{where}: no fold completed"
+    spread = f" +- {group['std']:.6g} (sample std)" if group["std"] is not None else ""
+    failed = f"; failed: jobs {group['failed']}" if group["failed"] else ""
+    return (
+        f"{where}: {metric} = {group['mean']:.6g}{spread} over {group['n']} folds ({', '.join(group['folds'])}){failed}"
+    )
 
 
 class SweepSummary(Callback):
@@ -67,6 +107,7 @@ class SweepSummary(Callback):
         common = set.intersection(*(set(r["overrides"]) for r in rows)) if len(rows) > 1 else set()
         for r in rows:
             r["swept"] = [o for o in r["overrides"] if o not in common]
+        folds = fold_groups(rows)
         summary = {
             "kind": "sweep_summary",
             "metric": metric,
@@ -74,6 +115,7 @@ class SweepSummary(Callback):
             "jobs": rows,
             "best_job": best["job"] if best else None,
             "failed_jobs": [r["job"] for r in rows if r["status"] == "failed"],
+            "folds": folds,
         }
         (sweep_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         lines = [f"| job | overrides | {metric} | status |", "|---|---|---|---|"]
@@ -81,8 +123,15 @@ class SweepSummary(Callback):
             mark = " (best)" if best is r else ""
             value = "" if r["value"] is None else f"{r['value']:.6g}{mark}"
             lines.append(f"| {r['job']} | {' '.join(r['swept'])} | {value} | {r['status']} |")
+        for group in folds:
+            lines.append(f"\nk-fold: {fold_sentence(group, metric)}")
         (sweep_dir / "summary.md").write_text("\n".join(lines) + "\n")
         self._print(rows, metric, best, sweep_dir)
+        if folds:
+            from rich.console import Console
+
+            for group in folds:
+                Console().print(f"k-fold: {fold_sentence(group, metric)}")
 
     @staticmethod
     def _print(rows: list[dict], metric: str, best: dict | None, sweep_dir: Path) -> None:
