@@ -149,3 +149,17 @@ def flight_recorder_dump(backend: str) -> Callable[[], bytes] | None:
     if backend == "nccl" and hasattr(c10d, "_dump_nccl_trace"):
         return c10d._dump_nccl_trace
     return getattr(c10d, "_dump_fr_trace", None)
+
+
+def record_memory_history(max_entries: int | None) -> None:
+    """Start (``max_entries``) or stop (None) the CUDA allocator's history:
+    ``torch.cuda.memory._record_memory_history``, the documented but underscored API of pytorch.org/memory_viz."""
+    if max_entries is None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    else:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_memory_snapshot(path: Any) -> None:
+    """Write the allocator history (``torch.cuda.memory._dump_snapshot``) for pytorch.org/memory_viz."""
+    torch.cuda.memory._dump_snapshot(str(path))

@@ -19,7 +19,7 @@ import time
 from array import array
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -39,36 +39,12 @@ from lit_template.diagnostics.profiling.stats import (
     percentile,
 )
 from lit_template.diagnostics.profiling.timer import CpuClock, CudaClock, StepTimer
+from lit_template.diagnostics.profiling.traces import MemorySnapshotConfig, MemorySnapshots, TraceConfig, TraceRecorder
 from lit_template.diagnostics.report import append_jsonl, reports_dir, run_dir, say, write_json
 from lit_template.errors import ConfigError
 from lit_template.lightning_compat import compute_dtype, hook_fetch
 
 OPTION = "callbacks.profiling"
-
-
-@dataclass(frozen=True)
-class TraceConfig:
-    """torch.profiler window: after ``skip_first`` steps, ``repeat`` cycles (0: until the end) of
-    ``wait`` + ``warmup`` + ``active`` steps; one trace file per cycle per global rank."""
-
-    enabled: bool = False
-    skip_first: int = 5
-    wait: int = 1
-    warmup: int = 1
-    active: int = 3
-    repeat: int = 1
-    record_shapes: bool = False
-    profile_memory: bool = False
-    with_stack: bool = False
-
-
-@dataclass(frozen=True)
-class MemorySnapshotConfig:
-    """CUDA allocator history, dumped at ``at_step`` (or at the end of fit, or at an OOM) for pytorch.org/memory_viz."""
-
-    enabled: bool = False
-    max_entries: int = 100_000
-    at_step: int | None = None
 
 
 def _options(cls: type, name: str, given: Mapping[str, Any] | None) -> Any:
@@ -143,10 +119,8 @@ class ProfilingCallback(L.Callback):
         self._flop_counter: Any | None = None
         self._flop_samples = 0
         self._untimed_step = False
-        self._profiler: torch.profiler.profile | None = None
-        self._trace_files: list[str] = []
-        self._snapshot_files: list[str] = []
-        self._snapshot_taken = False
+        self._traces: TraceRecorder | None = None
+        self._snapshots = MemorySnapshots(self.memory_snapshot)
         self._windows: list[GlobalWindow] = []  # rank zero: every rank's row at every log step
         self._own_steps = array("l")  # this rank's steps, for the plot and the exact percentiles
         self._own_step_ms = array("d")
@@ -203,9 +177,9 @@ class ProfilingCallback(L.Callback):
         self._hook_forward(trainer)
         self._hook_fetch(trainer)
         if self.trace.enabled:
-            self._start_trace()
+            self._traces = TraceRecorder(self.trace, self._device, self._trace_path)
         if self.memory_snapshot.enabled:
-            torch.cuda.memory._record_memory_history(max_entries=self.memory_snapshot.max_entries)
+            self._snapshots.start()
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._timer.resume()
@@ -247,11 +221,11 @@ class ProfilingCallback(L.Callback):
         if not stepped:
             return
         self._untimed_step = False
-        if self._profiler is not None:
-            self._profiler.step()
+        if self._traces is not None:
+            self._traces.step()
         snap = self.memory_snapshot
         if snap.enabled and snap.at_step is not None and step >= snap.at_step:
-            self._dump_snapshot()
+            self._snapshots.dump(self._snapshot_path())
         if step // self._every > self._last_emit_window:
             self._last_emit_window = step // self._every
             self._emit(trainer)
@@ -265,8 +239,8 @@ class ProfilingCallback(L.Callback):
         self._unhook_fetch()
         self._stop_trace()
         if self.memory_snapshot.enabled:
-            self._dump_snapshot()
-            torch.cuda.memory._record_memory_history(enabled=None)
+            self._snapshots.dump(self._snapshot_path())
+            self._snapshots.stop()
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._write_report(trainer, complete=True)
@@ -278,8 +252,7 @@ class ProfilingCallback(L.Callback):
         self._unhook_fetch()
         self._stop_trace()
         if self.memory_snapshot.enabled and isinstance(exception, torch.OutOfMemoryError):
-            self._snapshot_taken = False
-            self._dump_snapshot()
+            self._snapshots.dump(self._snapshot_path(), again=True)
         # a run that failed before its first training step has nothing to report
         if self._timer is not None and trainer.state.fn == "fit" and trainer.global_step > 0:
             try:
@@ -424,49 +397,17 @@ class ProfilingCallback(L.Callback):
         self._retries_seen, self._ooms_seen = max(retries, self._retries_seen), max(ooms, self._ooms_seen)
 
     # -- traces -------------------------------------------------------------------------------------------------------
-    def _start_trace(self) -> None:
-        t = self.trace
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self._device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profiler = torch.profiler.profile(
-            activities=activities,
-            schedule=torch.profiler.schedule(
-                skip_first=t.skip_first, wait=t.wait, warmup=t.warmup, active=t.active, repeat=t.repeat
-            ),
-            on_trace_ready=self._export_trace,
-            record_shapes=t.record_shapes,
-            profile_memory=t.profile_memory,
-            with_stack=t.with_stack,
-        )
-        self._profiler.start()
+    def _trace_path(self, prof_step: int) -> Path:
+        step = self._trainer.global_step if self._trainer is not None else prof_step
+        return run_dir(self._trainer) / "traces" / f"rank{self._global_rank}_step{step}.pt.trace.json"
 
-    def _export_trace(self, prof: torch.profiler.profile) -> None:
-        # One file per cycle per global rank, named by both: Perfetto (ui.perfetto.dev) and TensorBoard's profiler
-        # plugin (it looks for *.pt.trace.json) open them.
-        step = self._trainer.global_step if self._trainer is not None else prof.step_num
-        path = run_dir(self._trainer) / "traces" / f"rank{self._global_rank}_step{step}.pt.trace.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(path))
-        self._trace_files.append(str(path))
+    def _snapshot_path(self) -> Path:
+        step = self._trainer.global_step if self._trainer is not None else 0
+        return run_dir(self._trainer) / "traces" / f"memory_rank{self._global_rank}_step{step}.pickle"
 
     def _stop_trace(self) -> None:
-        if self._profiler is not None:
-            profiler, self._profiler = self._profiler, None
-            profiler.stop()
-
-    def _dump_snapshot(self) -> None:
-        if self._snapshot_taken or self._trainer is None:
-            return
-        self._snapshot_taken = True
-        path = (
-            run_dir(self._trainer)
-            / "traces"
-            / (f"memory_rank{self._global_rank}_step{self._trainer.global_step}.pickle")
-        )
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(path))
-        self._snapshot_files.append(str(path))
+        if self._traces is not None:
+            self._traces.stop()
 
     # -- the report ---------------------------------------------------------------------------------------------------
     @rank_zero_only
@@ -580,11 +521,12 @@ class ProfilingCallback(L.Callback):
                 "lag_pct_mean": sum(s.lag_pct for s in stragglers) / len(stragglers),
                 "file": str(reports_dir(trainer) / "stragglers.jsonl"),
             }
-        if self._trace_files:
-            report["traces_dir"] = str(Path(self._trace_files[0]).parent)
-            report["traces"] = sorted(Path(p).name for p in self._trace_files)  # rank zero's; each rank writes its own
-        if self._snapshot_files:
-            report["memory_snapshots"] = sorted(Path(p).name for p in self._snapshot_files)
+        trace_files = self._traces.files if self._traces is not None else []
+        if trace_files:
+            report["traces_dir"] = str(Path(trace_files[0]).parent)
+            report["traces"] = sorted(Path(p).name for p in trace_files)  # rank zero's; each rank writes its own
+        if self._snapshots.files:
+            report["memory_snapshots"] = sorted(Path(p).name for p in self._snapshots.files)
         return _clean(report, nan_to_none)
 
 
