@@ -1,8 +1,10 @@
-"""The image classifier LitModule: any ``net``, cross-entropy, torchmetrics accuracy, optimizer and scheduler by config."""
+"""The image classifier LitModule: any ``net``, cross-entropy, torchmetrics accuracy, optimizer and scheduler by
+config."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import lightning as L
 import torch
@@ -117,5 +119,9 @@ class LitClassifier(L.LightningModule):
             raise ConfigError(f"model.scheduler: {err} (see conf/model/)") from None
         return {
             "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss", "interval": self.hparams.scheduler_interval},
+            "lr_scheduler": {
+                "scheduler": scheduler,
+                "monitor": "val/loss",
+                "interval": self.hparams.scheduler_interval,
+            },
         }
