@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -83,8 +84,11 @@ class StepVote:
     ranks voted. On one process it returns the numbers at once.
     """
 
+    _live: ClassVar[weakref.WeakSet[StepVote]] = weakref.WeakSet()
+
     def __init__(self, world_size: int, global_rank: int, slots_per_rank: int = 1) -> None:
         self.world_size, self.global_rank, self.slots = world_size, global_rank, slots_per_rank
+        StepVote._live.add(self)
         self._group: Any = None
         self._work: Any = None
         # one CPU buffer, reused: a vote is read before the next one is sent. Filled and read through a NumPy view
@@ -117,6 +121,18 @@ class StepVote:
     def finish(self) -> list[list[int]] | None:
         """Wait for the vote in flight and return it (at the end of training: nothing may be left pending)."""
         return self._collect()
+
+    @classmethod
+    def settle_all(cls) -> None:
+        """Wait for every vote in flight, leaving its result to be read as usual.
+
+        torch.profiler must not start or stop while gloo's worker thread runs a collective: kineto then frees the
+        thread's event buffers under it, and the process aborts with ``malloc(): unaligned fastbin chunk`` (seen on
+        the trace tests). The trace recorder calls this before each profiler step.
+        """
+        for vote in list(cls._live):
+            if vote._work is not None:
+                vote._work.wait()
 
     def _collect(self) -> list[list[int]] | None:
         if self._work is None:

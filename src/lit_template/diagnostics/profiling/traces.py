@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from lit_template.distributed.preemption import StepVote
 from lit_template.lightning_compat import dump_memory_snapshot, record_memory_history
 
 
@@ -61,11 +62,13 @@ class TraceRecorder:
 
     def step(self) -> None:
         if self._profiler is not None:
+            StepVote.settle_all()  # the profiler may start or stop here: no collective may be running under it
             self._profiler.step()
 
     def stop(self) -> None:
         if self._profiler is not None:
             profiler, self._profiler = self._profiler, None
+            StepVote.settle_all()
             profiler.stop()
 
     def _export(self, prof: torch.profiler.profile) -> None:
