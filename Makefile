@@ -36,7 +36,7 @@ format:  ## fix what ruff can fix, then format
 	.venv/bin/ruff check --fix .
 	.venv/bin/ruff format .
 
-bench:  ## the template versus a hand-written loop (1 process, then 2 over gloo), then each callback's own overhead
+bench:  ## the template versus a hand-written loop (1 process, then 2 over gloo), each callback's own overhead, GPT tokens/s
 	$(PY) scripts/benchmark.py --batch-size 256 --per-callback
 	$(PY) scripts/benchmark.py --batch-size 1024 --per-callback
 	$(PY) scripts/benchmark.py --batch-size 4096
@@ -44,6 +44,7 @@ bench:  ## the template versus a hand-written loop (1 process, then 2 over gloo)
 	$(PY) scripts/bench_sync_check.py
 	OMP_NUM_THREADS=1 $(PY) scripts/bench_profiling.py
 	$(PY) scripts/bench_hang_doctor.py
+	$(PY) scripts/bench_gpt.py --rounds 3 --steps 300
 
 clean:  ## remove run outputs
 	rm -rf logs/ outputs/ multirun/ .pytest_cache

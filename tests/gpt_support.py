@@ -1,10 +1,4 @@
-"""Helpers for the GPT / model-parallel tests, and a resume entry point for sharded checkpoints.
-
-``python tests/gpt_support.py resume_dir=<run>/checkpoints/last.ckpt [overrides]`` is ``python train.py`` with one
-difference: ``trainer.fit(ckpt_path=resume_dir)`` is given the checkpoint folder as it is. ``train.py`` checks
-``ckpt_path`` with ``lit_template.checkpoints.resolve_ckpt_path``, which accepts only single-file checkpoints, so the
-folder that ``ModelParallelStrategy(save_distributed_checkpoint=True)`` writes cannot be resumed through it (yet).
-"""
+"""Helpers for the GPT / model-parallel tests: the tiny model's overrides and readers of metrics and checkpoints."""
 
 from __future__ import annotations
 
@@ -13,11 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
-from omegaconf import DictConfig, open_dict
-
-import lit_template.utils.resolvers  # noqa: F401  (registers ${lt.*} before Hydra composes)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,8 +32,6 @@ TINY = [
     "callbacks.rich_progress_bar=null",
     "callbacks.model_summary=null",
     "callbacks.profiling=null",
-    # breaks under ModelParallelStrategy (a DTensor gradient in its all_gather): see docs/model_parallel.md
-    "callbacks.nonfinite_guard=null",
     "optimized_metric=val/loss",
     "test=false",
 ]
@@ -73,22 +61,3 @@ def load_sharded(path: Path) -> dict[str, Any]:
         out = Path(tmp) / "full.pt"
         dcp_to_torch_save(path, out)
         return torch.load(out, weights_only=True)
-
-
-@hydra.main(version_base="1.3", config_path=str(ROOT / "conf"), config_name="train")
-def main(cfg: DictConfig) -> None:
-    from lit_template.train import build
-    from lit_template.utils import task_wrapper
-
-    @task_wrapper
-    def resume(cfg: DictConfig) -> None:
-        with open_dict(cfg):
-            resume_dir = cfg.pop("resume_dir")
-        objects = build(cfg)
-        objects["trainer"].fit(objects["model"], datamodule=objects["datamodule"], ckpt_path=resume_dir)
-
-    resume(cfg)
-
-
-if __name__ == "__main__":
-    main()

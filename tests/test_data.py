@@ -167,7 +167,8 @@ def test_global_batch_size_is_divided_over_the_ranks_and_logged(train):
     ckpt = torch.load(run.run_dir() / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 11, ckpt["global_step"]
     bad = train("trainer=ddp_cpu", "data.global_batch_size=127", timeout=200, check=False)
-    assert bad.returncode == 2 and "data.global_batch_size=127 does not divide over 2 rank(s)" in bad.output
+    assert bad.returncode == 2, bad.output[-3000:]
+    assert "data.global_batch_size=127 does not divide over 2 data-parallel rank(s)" in bad.output
 
 
 @pytest.mark.slow

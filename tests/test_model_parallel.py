@@ -8,6 +8,7 @@ losses as a run that never stopped.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -131,14 +132,14 @@ def test_sharded_checkpoint_resumes_exactly(fsdp2, logs):
     # resume from the folder written after step 4 of 8 (the same LR schedule: it is sized from max_steps)
     ckpt = fsdp2.run_dir() / "checkpoints" / "step_4.ckpt"
     assert torch.load(ckpt / "meta.pt", weights_only=True)["global_step"] == 4
-    # tests/gpt_support.py: train.py's ckpt_path takes files only
+    # through train.py's ckpt_path (a sharded checkpoint folder; checkpoints.resolve_ckpt_path checks its meta.pt)
     resumed = run_script(
-        "tests/gpt_support.py",
+        "train.py",
         *TINY,
         *GLOBAL_BATCH,
         *steps(STEPS),
         "trainer=fsdp2_cpu",
-        f"+resume_dir={ckpt}",
+        f"ckpt_path={ckpt}",
         log_dir=logs / "resumed",
         timeout=120,
     )
@@ -191,3 +192,112 @@ def test_a_mesh_that_does_not_fit_fails_at_start_with_one_line(train, overrides,
     assert len(errors) == 1 and re.search(message, errors[0]), run.stderr[-3000:]
     # before any process was started
     assert "Initializing distributed" not in run.output and "Traceback" not in run.output
+
+
+# -- the template's callbacks on the 2 x 2 mesh (4 processes: ranks 0,1 and 2,3 are tensor-parallel pairs) ---------
+MESH_2X2 = ["trainer=model_parallel_cpu", "trainer.devices=4", "trainer.strategy.tensor_parallel_size=2"]
+FAULT = "lit_template.testing.faults.FaultInjection"
+
+
+def fault(name: str, **options) -> list[str]:
+    return [f"+callbacks.{name}._target_={FAULT}", *(f"+callbacks.{name}.{k}={v}" for k, v in options.items())]
+
+
+def records(run, name: str) -> list[dict]:
+    path = run.run_dir() / "reports" / name
+    assert path.exists(), f"no {path}\n{run.output[-4000:]}"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_sync_check_names_a_perturbed_shard_and_nan_guard_stops_every_rank_on_the_2x2_mesh(logs):
+    run = run_script(
+        "train.py",
+        *TINY,
+        *GLOBAL_BATCH,
+        *steps(8),
+        *MESH_2X2,
+        "callbacks.sync_check.every_n_steps=1",
+        # tensor parallelism leaves the replicated LayerNorm/embedding copies of the 2 TP ranks ~1e-10 apart on gloo
+        # (docs/model_parallel.md): exact checksums would flag that from step 0
+        "callbacks.sync_check.mode=tolerance",
+        "callbacks.sync_check.rtol=1e-5",
+        # rank 1's copy of ln_f (FSDP2 shards it over data-parallel ranks; ranks 0 and 1 hold the same shard)
+        *fault("fault", action="perturb_param", rank=1, step=3, target="net.ln_f.weight"),
+        *fault("nan", action="nan_grad", rank=2, step=5),
+        log_dir=logs / "callbacks_2x2",
+        check=False,
+        timeout=240,
+    )
+    assert run.returncode != 0, run.output[-4000:]
+    assert "16 of 36 tensors have a copy of their shard on another rank" in run.output, run.output[-4000:]
+    findings = records(run, "sync_check.jsonl")
+    assert findings and min(f["global_step"] for f in findings) >= 3, findings[:2]  # nothing before the fault
+    first_param = next(f for f in findings if f["kind"] == "param_mismatch")
+    assert first_param["ranks"] == [1]
+    (tensor,) = first_param["tensors"]
+    assert tensor["name"] == "net.ln_f.weight" and tensor["ranks"] == [1] and tensor["reference_rank"] == 0
+    assert "parameters differ across ranks" in run.output and "net.ln_f.weight on rank 1" in run.output
+    # the NaN gradient in rank 2's shard: every rank stops, at the next step (read one step later, no host sync)
+    (event,) = records(run, "nonfinite.jsonl")
+    assert event["what"] == "grad" and event["ranks"] == [2] and event["global_step"] == 5, event
+    assert event["stopped_at"] == 6
+    assert "stopping every rank at step 6" in run.output
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.timeout(300)
+def test_hang_doctor_names_the_stuck_rank_on_the_2x2_mesh(logs):
+    run = run_script(
+        "train.py",
+        *TINY,
+        *GLOBAL_BATCH,
+        *steps(8),
+        *MESH_2X2,
+        "callbacks.hang_doctor.stall_timeout_s=6",
+        *fault("fault", action="hang", rank=3, step=3),
+        log_dir=logs / "hang_2x2",
+        check=False,
+        timeout=240,
+    )
+    assert run.returncode != 0, run.output[-4000:]
+    summary = json.loads((run.run_dir() / "hang" / "summary.json").read_text())
+    assert summary["kind"] == "hang" and summary["ranks"] == [0, 1, 2, 3]
+    assert summary["stuck_ranks"] == [3] and summary["waiting_ranks"] == [0, 1, 2], summary
+    assert "rank 3 is stuck at step 3 in stuck_forever" in run.output
+    assert "stuck_forever" in (run.run_dir() / "hang" / "rank3.txt").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.ddp
+@pytest.mark.timeout(240)
+def test_profiling_counts_distinct_tokens_and_mfu_from_the_formula_under_tensor_parallel(logs):
+    peak = 1e11  # a stated peak FLOP/s per device: a CPU has no table
+    run = run_script(
+        "train.py",
+        *[o for o in TINY if not o.startswith("callbacks.profiling")],
+        *GLOBAL_BATCH,
+        *steps(STEPS),
+        "trainer=model_parallel_cpu",
+        "callbacks.profiling.log_every_n_steps=2",
+        f"callbacks.profiling.peak_flops={peak}",
+        log_dir=logs / "profile_tp",
+        timeout=180,
+    )
+    report = json.loads((run.run_dir() / "reports" / "profile.json").read_text())
+    th = report["throughput"]
+    # both tensor-parallel ranks train on the same 8 x 32 tokens per step: counted once
+    assert th["samples"] == STEPS * 8 and th["tokens"] == STEPS * 8 * 32, th
+    assert th["tokens_per_s"] == pytest.approx(th["tokens_per_s_global"] / 2, rel=0.2)
+    # MFU from GPT.flops_per_token() = 6 N + 12 L T d, N counted here from the network itself
+    from lit_template.models.gpt import GPTNet
+
+    net = GPTNet(256, 32, 2, 4, 32, 0.0, True)
+    n = sum(p.numel() for p in net.parameters()) - net.wpe.weight.numel()
+    flops_per_sample = (6 * n + 12 * 2 * 32 * 32) * 32
+    mfu = report["mfu"]
+    assert mfu["flops_per_sample"] == flops_per_sample and "flops_per_token" in mfu["flops_from"]
+    assert mfu["mfu_pct"] == pytest.approx(100 * flops_per_sample * th["samples_per_s_global"] / 2 / peak)

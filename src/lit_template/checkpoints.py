@@ -25,25 +25,39 @@ from omegaconf import DictConfig
 from lit_template.errors import ConfigError
 
 LAST = "last.ckpt"
+SHARDED_META = "meta.pt"  # what Lightning's ModelParallelStrategy writes beside the shards of a distributed checkpoint
+
+
+def is_sharded(path: Path) -> bool:
+    """A distributed (sharded) checkpoint folder as ``trainer=fsdp2``/``model_parallel`` write it: the shards, torch's
+    ``.metadata`` (written after every shard) and Lightning's ``meta.pt`` (written last)."""
+    return path.is_dir() and (path / ".metadata").is_file() and (path / SHARDED_META).is_file()
+
+
+def exists(path: Path) -> bool:
+    """A checkpoint file or a sharded checkpoint folder."""
+    return path.is_file() or is_sharded(path)
 
 
 def resolve_ckpt_path(cfg: DictConfig, option: str = "ckpt_path") -> str | None:
     """``null`` → None; ``last`` → this run dir's last.ckpt, else the newest last.ckpt among earlier runs of the same
     task; ``auto`` → this run dir's last.ckpt if it exists, else None (start fresh); anything else must be an
-    existing file. Whatever is found must load with ``torch.load(weights_only=True)`` and hold a ``state_dict``."""
+    existing file or sharded checkpoint folder. Whatever is found must load with ``torch.load(weights_only=True)``
+    and hold a ``state_dict`` (a sharded folder: its ``meta.pt``)."""
     value = cfg.get(option)
     if value in (None, ""):
         return None
     own = Path(cfg.paths.output_dir) / "checkpoints" / LAST
     if value == "auto":
         # a torchrun restart with a fixed LT_RUN_ID finds the first attempt's last.ckpt; a first start has none
-        return check_checkpoint(own, option, value) if own.is_file() else None
+        return check_checkpoint(own, option, value) if exists(own) else None
     if value == "last":
-        if own.is_file():
+        if exists(own):
             return check_checkpoint(own, option, value)
         # eval looks among the train task's runs (conf/eval.yaml sets ckpt_search_task)
         runs = Path(cfg.paths.log_dir) / str(cfg.get("ckpt_search_task") or cfg.task_name)
-        candidates = sorted(runs.glob(f"**/checkpoints/{LAST}"), key=lambda p: p.stat().st_mtime)
+        found = [p for p in runs.glob(f"**/checkpoints/{LAST}") if exists(p)]
+        candidates = sorted(found, key=lambda p: p.stat().st_mtime)
         if not candidates:
             raise ConfigError(
                 f"{option}=last but there is no last.ckpt in {own.parent} nor under {runs}: "
@@ -51,7 +65,13 @@ def resolve_ckpt_path(cfg: DictConfig, option: str = "ckpt_path") -> str | None:
             )
         return check_checkpoint(candidates[-1], option, value)
     path = Path(str(value)).expanduser()
-    if not path.is_file():
+    if path.is_dir() and not is_sharded(path):
+        raise ConfigError(
+            f"{option}={value!r} is a folder but not a sharded checkpoint (no .metadata and {SHARDED_META} in it: a "
+            "save that did not finish?): give a .ckpt file or a checkpoint folder written by trainer=fsdp2 or "
+            "trainer=model_parallel"
+        )
+    if not exists(path):
         raise ConfigError(f"{option}={value!r} is not a file: give the path of a .ckpt, 'last' or 'auto'")
     return check_checkpoint(path.resolve(), option, value)
 
@@ -82,6 +102,8 @@ def check_checkpoint(path: Path, option: str = "ckpt_path", value: object = None
     """Open ``path`` the safe way (``weights_only=True``: tensors and plain values only, no code runs; ``mmap``: no
     tensor is read) and require a Lightning checkpoint dict. Returns the path as a string."""
     shown = f"{option}={value if value is not None else path}"
+    if is_sharded(path):
+        return _check_sharded(path, shown)
     if not zipfile.is_zipfile(path):
         # torch.save has written zip archives since torch 1.6; text, random bytes or a plain pickle are not one
         raise ConfigError(
@@ -111,6 +133,19 @@ def check_checkpoint(path: Path, option: str = "ckpt_path", value: object = None
             f"{shown}: {path} is a torch file but not a Lightning checkpoint (no 'state_dict'; found {found}); "
             f"give a .ckpt written by train.py"
         )
+    return str(path)
+
+
+def _check_sharded(path: Path, shown: str) -> str:
+    """A sharded checkpoint folder: its ``meta.pt`` (the loops' state, the callbacks', the hyperparameters) must load
+    safely; the shards are read by the strategy that resumes (any world size: torch.distributed.checkpoint reshards)."""
+    try:
+        meta = torch.load(path / SHARDED_META, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{shown}: {path / SHARDED_META} does not load safely ({reason})") from None
+    if not isinstance(meta, dict) or "global_step" not in meta:
+        raise ConfigError(f"{shown}: {path} is a folder of shards but {SHARDED_META} is not Lightning's metadata")
     return str(path)
 
 

@@ -1,9 +1,10 @@
 """Every use of a private Lightning or torch API in the template, in one place.
 
 Each function says what it reaches into and why, and was checked against the pinned versions below. When you
-upgrade Lightning or torch, read these first: a change there shows up here, not all over the package. One use is a
-method override rather than a call: ``distributed.comm.CommDDPStrategy`` overrides ``DDPStrategy._register_ddp_hooks``
-(its body is ``register_ddp_comm_hook`` below).
+upgrade Lightning or torch, read these first: a change there shows up here, not all over the package. Two uses are
+method overrides rather than calls: ``distributed.comm.CommDDPStrategy`` overrides ``DDPStrategy._register_ddp_hooks``
+(its body is ``register_ddp_comm_hook`` below), and ``models.parallel_compat.ModelParallelStrategy`` overrides
+``ModelParallelStrategy._configure_launcher`` (to check the mesh before any process starts).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_template.diagnostics.report import append_jsonl, reports_dir, say
+from lit_template.distributed.shards import local as local_shard
 from lit_template.errors import ConfigError
 
 CHOICES = ("stop", "skip")
@@ -144,7 +145,8 @@ class NonFiniteGuard(L.Callback):
         if any(g is not None for g in grads):
             finite = torch.ones((), dtype=torch.bool, device=device)  # what a parameter without a gradient counts as
             # one flag per parameter, in named_parameters() order: the first bad one's position is its index
-            bad = ~torch.stack([torch.isfinite(g).all() if g is not None else finite for g in grads])
+            # a DTensor gradient (model parallel): this rank's shard; any rank's bad shard shows in the gathered flags
+            bad = ~torch.stack([torch.isfinite(local_shard(g)).all() if g is not None else finite for g in grads])
             grad_bad = bad.any()
             first_bad = torch.where(grad_bad, bad.double().argmax(), minus_one)
         local = torch.stack([loss_bad.any().double(), grad_bad.double(), first_bad.double(), loss_value])

@@ -116,7 +116,9 @@ class ProfilingCallback(L.Callback):
         self._last_emit_window = 0
         self._peak_flops: float | None = None
         self._flops_per_sample: float | None = None
+        self._flops_from = "counter"  # or "model": the LightningModule's flops_per_token() formula
         self._flop_counter: Any | None = None
+        self._replicas = 1
         self._flop_samples = 0
         self._untimed_step = False
         self._traces: TraceRecorder | None = None
@@ -141,6 +143,7 @@ class ProfilingCallback(L.Callback):
         self._trainer = trainer
         self._device = trainer.strategy.root_device
         self._world_size, self._global_rank = trainer.world_size, trainer.global_rank
+        self._replicas = same_batch_ranks(trainer.strategy)
         self._every = self.log_every_n_steps or trainer.log_every_n_steps or 50
         on_cuda = self._device.type == "cuda"
         if self.memory_snapshot.enabled and not on_cuda:
@@ -191,6 +194,12 @@ class ProfilingCallback(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        formula = getattr(pl_module, "flops_per_token", None)
+        if self._peak_flops and self._flops_per_sample is None and callable(formula):
+            # the model states its FLOPs per token (a formula, e.g. 6N + attention): no counting, no untimed step
+            samples, tokens = batch_counts(batch)
+            self._flops_per_sample = float(formula()) * tokens / max(samples, 1)
+            self._flops_from = "model"
         if self._peak_flops and self._flops_per_sample is None and self._flop_counter is None:
             from torch.utils.flop_counter import FlopCounterMode
 
@@ -318,7 +327,14 @@ class ProfilingCallback(L.Callback):
             straggler = find_straggler(trainer.global_step, ranks)
             self._on_window(
                 trainer,
-                GlobalWindow(trainer.global_step, ranks, straggler, self._flops_per_sample or None, self._peak_flops),
+                GlobalWindow(
+                    trainer.global_step,
+                    ranks,
+                    straggler,
+                    self._flops_per_sample or None,
+                    self._peak_flops,
+                    self._replicas,
+                ),
             )
 
     def _on_window(self, trainer: L.Trainer, window: GlobalWindow) -> None:
@@ -334,11 +350,12 @@ class ProfilingCallback(L.Callback):
             "perf/step_time_ms_max": w.step_time_s_max * 1e3,
             "perf/data_wait_ms": w.data_wait_s / w.steps * 1e3,
             "perf/data_wait_pct": w.data_wait_pct,
-            "perf/samples_per_s": w.samples_per_s,
+            "perf/samples_per_s": w.samples_per_s / self._replicas,
             "perf/samples_per_s_global": window.samples_per_s_global,
         }
         if window.tokens:
-            metrics["perf/tokens_per_s"] = w.tokens_per_s
+            # per device: this rank's share of the distinct tokens (tensor-parallel peers share their batch)
+            metrics["perf/tokens_per_s"] = w.tokens_per_s / self._replicas
             metrics["perf/tokens_per_s_global"] = window.tokens_per_s_global
         if window.mfu_pct is not None:
             metrics["perf/mfu_pct"] = window.mfu_pct
@@ -454,8 +471,9 @@ class ProfilingCallback(L.Callback):
                 per_rank.setdefault(r.global_rank, []).append(r)
         totals = {rank: _total(rows) for rank, rows in sorted(per_rank.items())}
         own = totals.get(self._global_rank)
-        samples_global = sum(t["samples"] for t in totals.values())
-        tokens_global = sum(t["tokens"] for t in totals.values())
+        # distinct samples: tensor-parallel peers train on the same batch
+        samples_global = sum(t["samples"] for t in totals.values()) / self._replicas
+        tokens_global = sum(t["tokens"] for t in totals.values()) / self._replicas
         time_global = max((t["time_s"] for t in totals.values()), default=0.0)
         report: dict[str, Any] = {
             "kind": "profile",
@@ -481,7 +499,7 @@ class ProfilingCallback(L.Callback):
             },
             "throughput": {
                 "samples": samples_global,
-                "samples_per_s": own["samples"] / own["time_s"] if own and own["time_s"] else math.nan,
+                "samples_per_s": own["samples"] / own["time_s"] / self._replicas if own and own["time_s"] else math.nan,
                 "samples_per_s_global": samples_global / time_global if time_global else math.nan,
             },
             "memory": {},
@@ -490,7 +508,7 @@ class ProfilingCallback(L.Callback):
         if tokens_global:
             report["throughput"].update(
                 tokens=tokens_global,
-                tokens_per_s=own["tokens"] / own["time_s"],
+                tokens_per_s=own["tokens"] / own["time_s"] / self._replicas,
                 tokens_per_s_global=tokens_global / time_global,
             )
         if self._flops_per_sample and self._peak_flops and time_global:
@@ -499,6 +517,9 @@ class ProfilingCallback(L.Callback):
                     self._flops_per_sample, samples_global / time_global / self._world_size, self._peak_flops
                 ),
                 "flops_per_sample": self._flops_per_sample,
+                "flops_from": (
+                    "the model's flops_per_token() formula" if self._flops_from == "model" else "torch FlopCounterMode"
+                ),
                 "peak_flops_per_device": self._peak_flops,
                 "peak_from": "config" if self.peak_flops_override is not None else "lightning",
             }
@@ -566,3 +587,12 @@ def _num(value: Any, spec: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     return format(value, spec)
+
+
+def same_batch_ranks(strategy: Any) -> int:
+    """How many ranks train on each batch: the tensor-parallel size under ModelParallelStrategy, else 1."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if isinstance(strategy, ModelParallelStrategy):
+        return int(strategy.device_mesh["tensor_parallel"].size())
+    return 1

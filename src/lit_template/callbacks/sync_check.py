@@ -13,6 +13,13 @@ the gradients are not all-reduced and the replicas differ on purpose until the n
 are not checked, and a due parameter check waits for the next step that averaged the parameters (the averager's own
 step count says which, the same on every rank, so every rank still issues the same collectives).
 
+Model parallel (``ModelParallelStrategy``: FSDP2 and tensor parallel): parameters and gradients are DTensors, and
+ranks hold different shards on purpose. Each rank checksums its own shard, and a shard is compared only among the
+ranks that hold the same one (``distributed/shards.py``: ranks that differ only along the tensor's ``Replicate``
+mesh dimensions, or along world dimensions outside its mesh, such as the tensor-parallel peers of a parameter that
+FSDP2 alone shards). A tensor sharded over every rank has no peer and is not compared. The unused-parameter check is
+off there (FSDP2 accumulates the gradients itself), and the max |difference| is measured only for full replicas.
+
 Cost: a checksum per tensor on the tensor's own device (see ``checksum.py``), then one all_gather of one checksum per
 kind. Only on a mismatch: a second all_gather of the per-tensor checksums to find the tensors, then, for the few
 tensors reported, a broadcast of the reference rank's tensor and one all_gather of each rank's max |difference|. The
@@ -34,6 +41,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_template.diagnostics import checksum as cs
 from lit_template.diagnostics.report import append_jsonl, reports_dir, say, write_json
+from lit_template.distributed.shards import local as local_shard
+from lit_template.distributed.shards import replica_key
 from lit_template.errors import ConfigError
 from lit_template.lightning_compat import model_averager
 
@@ -104,6 +113,8 @@ class TensorGroup:
     values: torch.Tensor  # per-tensor int64 checksums, or float64 norms in tolerance mode
     like: list[torch.Tensor]  # gives shape and dtype (the parameter, for gradients and flags)
     exact: bool = False  # flags are compared exactly whatever the mode
+    # model parallel: per tensor, a number equal on the ranks that hold the same shard (shards.replica_key)
+    keys: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +212,8 @@ class SyncCheck(L.Callback):
         self._step_ms = 0.0
         # local SGD: the strategy's PeriodicModelAverager (None: every step syncs), and what was skipped because of it
         self._averager: Any = None
+        self._sharded = False  # ModelParallelStrategy: compare DTensor shards among the ranks holding the same one
+        self._said_shards = False
         self._params_deferred = False
         self.local_sgd_counts = {"grad_checks_skipped": 0, "param_checks_deferred": 0, "fit_end_check_skipped": 0}
         self.last_check_ms = 0.0  # time spent in the last check step's checks (also logged as sync/check_ms)
@@ -212,11 +225,16 @@ class SyncCheck(L.Callback):
         from lightning.pytorch.strategies import DDPStrategy
 
         self.world_size = trainer.world_size
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        self._sharded = isinstance(trainer.strategy, ModelParallelStrategy)
         replicated = isinstance(trainer.strategy, DDPStrategy) and "DeepSpeed" not in type(trainer.strategy).__name__
-        self.active = self.world_size > 1 and dist.is_available() and dist.is_initialized() and replicated
+        self.active = (
+            self.world_size > 1 and dist.is_available() and dist.is_initialized() and (replicated or self._sharded)
+        )
         # where the collectives run: the process's own GPU under NCCL, the CPU under gloo
         self._comm_device = trainer.strategy.root_device
-        if self.world_size > 1 and not replicated:
+        if self.world_size > 1 and not (replicated or self._sharded):
             rank_zero_only(say)(
                 f"sync check: off, {type(trainer.strategy).__name__} does not keep a full replica "
                 "on every rank (sharded parameters differ by design)",
@@ -275,7 +293,7 @@ class SyncCheck(L.Callback):
             return
         self._used.clear()
         self._buffer_values = None
-        if self.check_unused:
+        if self.check_unused and not self._sharded:
             for i, (_, p) in enumerate(self._named_params(pl_module, trainable=True)):
                 self._hooks.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._used.add(i)))
         if self.check_buffers and any(True for _ in pl_module.buffers()):
@@ -303,7 +321,7 @@ class SyncCheck(L.Callback):
             groups.append(
                 self._group("grad_mismatch", [(n, p.grad) for n, p in trainable], like=[p for _, p in trainable])
             )
-        if self.check_unused and trainable:
+        if self.check_unused and not self._sharded and trainable:
             flags = [1 if i in self._used else 0 for i in range(len(trainable))]
             dtype = torch.int64 if self.mode == "exact" else torch.float64
             groups.append(
@@ -387,7 +405,8 @@ class SyncCheck(L.Callback):
                     ranks,
                     dev.reference_rank,
                 )
-                if group.kind != "no_local_grad" and len(measured) < self.max_reported_tensors:
+                replica = not group.keys or group.keys[dev.index] == 0  # a shard's peers differ in shape: not measured
+                if group.kind != "no_local_grad" and replica and len(measured) < self.max_reported_tensors:
                     measured.append(_ToMeasure(group, dev.index, dev.reference_rank, tensor))
                 tensors.append(tensor)
             if tensors:
@@ -412,6 +431,8 @@ class SyncCheck(L.Callback):
     def _find_deviating(self, groups: list[TensorGroup]) -> list[list[_Deviation]]:
         """Per group, each tensor that differs across ranks."""
         result: list[list[_Deviation]] = [[] for _ in groups]
+        if self._sharded:
+            return self._find_deviating_shards(groups)
         if self.mode == "exact":
             # One collective for all kinds checked here: one combined checksum per kind and rank.
             gathered = self._all_gather(torch.stack([cs.combine(g.values) for g in groups]))
@@ -438,6 +459,46 @@ class SyncCheck(L.Callback):
                 if ranks:
                     result[i].append(_Deviation(j, reference, ranks, column))
             offset += len(group.names)
+        return result
+
+    def _find_deviating_shards(self, groups: list[TensorGroup]) -> list[list[_Deviation]]:
+        """Model parallel: per tensor, compare the ranks holding the same shard (one all_gather of values and keys)."""
+        values = torch.cat([g.values for g in groups])
+        keys = torch.tensor([k for g in groups for k in g.keys or [0] * len(g.names)], device=values.device)
+        gathered = self._all_gather(torch.stack([values, keys.to(values.dtype)])).tolist()  # (world, 2, n)
+        result: list[list[_Deviation]] = []
+        offset, compared, total = 0, 0, 0
+        for group in groups:
+            found = []
+            for j in range(len(group.names)):
+                column = [row[0][offset + j] for row in gathered]
+                peers: dict[Any, list[int]] = {}
+                for rank, row in enumerate(gathered):
+                    peers.setdefault(row[1][offset + j], []).append(rank)
+                reference, ranks = -1, []
+                total += 1
+                compared += any(len(members) > 1 for members in peers.values())
+                for members in peers.values():
+                    if len(members) < 2:
+                        continue  # no other rank holds this shard
+                    sub = [column[r] for r in members]
+                    ref, bad = (
+                        cs.majority(sub) if group.exact or self.mode == "exact" else cs.majority_within(sub, self.rtol)
+                    )
+                    if bad and reference < 0:
+                        reference = members[ref]
+                    ranks += [members[b] for b in bad]
+                if ranks:
+                    found.append(_Deviation(j, reference, sorted(ranks), column))
+            result.append(found)
+            offset += len(group.names)
+        if not self._said_shards:
+            self._said_shards = True
+            rank_zero_only(say)(
+                f"sync check: model parallel: {compared} of {total} tensors have a copy of their shard on another "
+                "rank and are compared there; the others are sharded over every rank (nothing to compare)",
+                logging.INFO,
+            )
         return result
 
     def _measure_differences(self, measured: list[_ToMeasure]) -> None:
@@ -560,12 +621,15 @@ class SyncCheck(L.Callback):
         self, kind: str, named: list[tuple[str, torch.Tensor | None]], like: list[torch.Tensor] | None = None
     ) -> TensorGroup:
         tensors = [t for _, t in named]
+        # a DTensor is read through its own shard (an op on the DTensor itself could be a collective)
+        local = [None if t is None else local_shard(t) for t in tensors]
         return TensorGroup(
             kind,
             [n for n, _ in named],
-            tensors,
-            self._values(tensors, self._comm_device),
+            local,
+            self._values(local, self._comm_device),
             like=like if like is not None else tensors,
+            keys=[replica_key(t) for t in tensors] if self._sharded else None,
         )
 
     @staticmethod

@@ -77,18 +77,21 @@ class ImageDataModule(L.LightningDataModule):
         return self.dataset_input_shape
 
     def setup_batch_size(self) -> None:
-        """``data.global_batch_size``: the batch of one optimizer step over every rank and accumulated micro-batch,
-        divided into the per-device ``batch_size_per_device`` (logged as a hyperparameter)."""
+        """``data.global_batch_size``: the batch of one optimizer step over every data-parallel rank and accumulated
+        micro-batch, divided into the per-device ``batch_size_per_device`` (logged as a hyperparameter). The
+        data-parallel ranks are the strategy's sampler replicas: every rank under DDP, ``data_parallel_size`` under
+        tensor parallelism (tensor-parallel peers share one batch)."""
         total = self.hparams.global_batch_size
         if total is None or self.trainer is None or self._batch_size_set:
             return
         self._batch_size_set = True
         accumulate = int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1)
-        parts = self.trainer.world_size * accumulate
+        replicas = int((self.trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1))
+        parts = replicas * accumulate
         if total % parts:
             raise ConfigError(
-                f"data.global_batch_size={total} does not divide over {self.trainer.world_size} "
-                f"rank(s) x trainer.accumulate_grad_batches={accumulate}: use a multiple of {parts}"
+                f"data.global_batch_size={total} does not divide over {replicas} data-parallel rank(s) x "
+                f"trainer.accumulate_grad_batches={accumulate}: use a multiple of {parts}"
             )
         self.batch_size_per_device = total // parts
         for logger in self.trainer.loggers:

@@ -191,20 +191,3 @@ class TextDataModule(ImageDataModule):
             f"train {len(self.data_train)}, val {len(self.data_val)}, test {len(self.data_test)}; unigram baseline "
             f"of val {unigram_bpb(splits['val']):.3f} bits/byte"
         )
-
-    def setup_batch_size(self) -> None:
-        """``data.global_batch_size`` divided over the data-parallel ranks: under tensor parallelism several ranks
-        share one batch (``trainer.distributed_sampler_kwargs`` holds the data-parallel size and rank)."""
-        total = self.hparams.global_batch_size
-        if total is None or self.trainer is None or self._batch_size_set:
-            return
-        self._batch_size_set = True
-        accumulate = int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1)
-        replicas = int((self.trainer.distributed_sampler_kwargs or {}).get("num_replicas", 1))
-        parts = replicas * accumulate
-        if total % parts:
-            raise ConfigError(
-                f"data.global_batch_size={total} does not divide over {replicas} data-parallel rank(s) x "
-                f"trainer.accumulate_grad_batches={accumulate}: use a multiple of {parts}"
-            )
-        self.batch_size_per_device = total // parts

@@ -13,7 +13,10 @@ from lit_template.utils.parsing import as_int
 GPU_ACCELERATORS = {"gpu", "cuda"}
 # what this template's trainers run on (Lightning also knows tpu/mps/hpu, which need packages or hardware it lacks)
 ACCELERATORS = ("cpu", "gpu", "cuda", "mps", "auto")
-CPU_HINT = "use trainer=cpu (one process) or trainer=ddp_cpu (DDP over gloo on CPU)"
+CPU_HINT = (
+    "use trainer=cpu (one process) or trainer=ddp_cpu (DDP over gloo on CPU); for FSDP2 / tensor parallel on CPU, "
+    "trainer=fsdp2_cpu or trainer=model_parallel_cpu"
+)
 
 
 def _strategy_backend(strategy: Any) -> str | None:

@@ -249,6 +249,28 @@ class GPT(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    # -- cost -----------------------------------------------------------------------------------------------------
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters of the whole (unsharded) network, from the sizes; ``non_embedding``: without the position
+        embedding (a lookup, no matmul). The tied token embedding counts once: it is the LM head's matrix."""
+        h = self.hparams
+        d, b = h.n_embd, int(h.bias)
+        block = 4 * (d * d + b * d) + (4 * d * d + b * 4 * d) + (4 * d * d + b * d) + 2 * (d + b * d)
+        total = h.n_layer * block + h.vocab_size * d + (d + b * d)
+        return total if non_embedding else total + h.block_size * d
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: ``6 N + 12 L T d`` (PaLM, appendix B; nanoGPT's ``estimate_mfu``).
+
+        ``6 N``: every weight's matmul, forward (2) and backward (4), N = :meth:`num_params`. ``12 L T d``: per layer
+        the attention scores ``Q K^T`` and the weighted sum ``A V`` (2 T d each, forward, times 3 with the backward)
+        at context T = ``block_size``, counted in full although the causal mask needs only half. The profiling
+        callback reads this for MFU (with ``callbacks.profiling.peak_flops`` on a CPU) instead of counting FLOPs.
+        """
+        h = self.hparams
+        return 6.0 * self.num_params() + 12.0 * h.n_layer * h.block_size * h.n_embd
+
     # -- sampling -------------------------------------------------------------------------------------------------
 
     @torch.no_grad()

@@ -17,6 +17,9 @@ process is started.
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
@@ -58,3 +61,29 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
             self._data_parallel_size, self._tensor_parallel_size, self.num_nodes, self.num_processes
         )
         super()._configure_launcher()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """A sharded checkpoint is written whole or not at all.
+
+        Lightning writes a distributed checkpoint into the existing folder (``last.ckpt`` is rewritten in place every
+        time): a rank killed mid-save (preemption) would leave old and new shards mixed. Here every rank writes into
+        ``.<name>.tmp``, and after a barrier rank zero swaps it in with two renames; a run stopped in between leaves
+        the old folder at ``.<name>.old`` and a complete new one at ``.<name>.tmp``, never a mixed one.
+        """
+        if not self._save_distributed_checkpoint or "://" in str(filepath):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(str(filepath)))
+        tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+        if self.global_rank == 0 and tmp.exists():
+            shutil.rmtree(tmp)  # what a stopped save left behind
+        self.barrier("sharded_checkpoint_tmp")
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        self.barrier("sharded_checkpoint_written")
+        if self.global_rank == 0:
+            if path.is_dir():
+                os.replace(path, old)
+            elif path.exists():
+                path.unlink()
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        self.barrier("sharded_checkpoint_renamed")

@@ -19,6 +19,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from lit_template.distributed.shards import local as local_shard
 from lit_template.errors import ConfigError
 
 # action -> the loop event it happens at
@@ -107,11 +108,12 @@ class FaultInjection(L.Callback):
         if param.grad is None:
             return
         self.fired += 1
+        grad = local_shard(param.grad)  # a DTensor's own shard: an op on the DTensor could be a collective
         with torch.no_grad():
             if self.action == "perturb_grad":
-                param.grad.view(-1)[0] += self.amount
+                grad.view(-1)[0] += self.amount
             else:
-                param.grad.view(-1)[0] = float("nan")
+                grad.view(-1)[0] = float("nan")
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -121,6 +123,7 @@ class FaultInjection(L.Callback):
         self.fired += 1
         kind = "buffer" if self.action == "perturb_buffer" else "param"
         _, tensor = self._tensor(pl_module, kind)
+        tensor = local_shard(tensor)
         with torch.no_grad():
             if self.action == "flip_bit_param":
                 flip_lowest_bit(tensor)

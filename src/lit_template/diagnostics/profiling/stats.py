@@ -186,14 +186,16 @@ class GlobalWindow:
     straggler: Straggler | None = None
     flops_per_sample: float | None = None
     peak_flops: float | None = None
+    # ranks that train on the same batch (tensor-parallel peers): the global counts are of distinct samples
+    replicas: int = 1
 
     @property
     def samples(self) -> float:
-        return sum(r.window.samples for r in self.ranks)
+        return sum(r.window.samples for r in self.ranks) / self.replicas
 
     @property
     def tokens(self) -> float:
-        return sum(r.window.tokens for r in self.ranks)
+        return sum(r.window.tokens for r in self.ranks) / self.replicas
 
     @property
     def time_s(self) -> float:
