@@ -301,3 +301,35 @@ def test_profiling_counts_distinct_tokens_and_mfu_from_the_formula_under_tensor_
     mfu = report["mfu"]
     assert mfu["flops_per_sample"] == flops_per_sample and "flops_per_token" in mfu["flops_from"]
     assert mfu["mfu_pct"] == pytest.approx(100 * flops_per_sample * th["samples_per_s_global"] / 2 / peak)
+
+
+def test_ckpt_path_last_and_auto_find_a_sharded_folder_and_refuse_an_unfinished_one(tmp_path):
+    from omegaconf import OmegaConf
+
+    from lit_template.checkpoints import resolve_ckpt_path
+    from lit_template.errors import ConfigError
+
+    run = tmp_path / "logs" / "train" / "runs" / "1"
+    folder = run / "checkpoints" / "last.ckpt"
+    folder.mkdir(parents=True)
+    (folder / "__0_0.distcp").write_bytes(b"shard")
+    cfg = OmegaConf.create(
+        {"paths": {"output_dir": str(tmp_path / "new"), "log_dir": str(tmp_path / "logs")}, "task_name": "train"}
+    )
+    # no .metadata / meta.pt yet: a save that did not finish is no checkpoint
+    cfg.ckpt_path = "auto"
+    assert resolve_ckpt_path(cfg) is None
+    cfg.ckpt_path = str(folder)
+    with pytest.raises(ConfigError, match=r"ckpt_path=.* is a folder but not a sharded checkpoint"):
+        resolve_ckpt_path(cfg)
+    (folder / ".metadata").write_bytes(b"")
+    torch.save({"global_step": 4, "epoch": 0}, folder / "meta.pt")
+    assert resolve_ckpt_path(cfg) == str(folder)
+    cfg.ckpt_path = "last"  # the newest last.ckpt among the task's runs
+    assert resolve_ckpt_path(cfg) == str(folder)
+    cfg.paths.output_dir = str(run)
+    cfg.ckpt_path = "auto"  # a restarted job in its own run dir
+    assert resolve_ckpt_path(cfg) == str(folder)
+    torch.save(["not", "lightning"], folder / "meta.pt")
+    with pytest.raises(ConfigError, match=r"meta\.pt is not Lightning's metadata"):
+        resolve_ckpt_path(cfg)
