@@ -17,7 +17,6 @@ import logging
 import math
 import time
 from array import array
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import fields
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_template.diagnostics.profiling.render import plot_profile, render_markdown
+from lit_template.diagnostics.profiling.report import RunInfo, build_report, json_ready, num
 from lit_template.diagnostics.profiling.stats import (
     GlobalWindow,
     MemoryStats,
@@ -35,8 +35,6 @@ from lit_template.diagnostics.profiling.stats import (
     WindowStats,
     batch_counts,
     find_straggler,
-    mfu_pct,
-    percentile,
 )
 from lit_template.diagnostics.profiling.timer import CpuClock, CudaClock, StepTimer
 from lit_template.diagnostics.profiling.traces import MemorySnapshotConfig, MemorySnapshots, TraceConfig, TraceRecorder
@@ -449,144 +447,40 @@ class ProfilingCallback(L.Callback):
         write_json(out / "profile.json", report)
         (out / "profile.md").write_text(render_markdown(report))
         st, th = report["step_time_ms"], report["throughput"]
-        mfu = f", MFU {_num(report['mfu']['mfu_pct'], '.1f')}%" if "mfu" in report else ""
+        mfu = f", MFU {num(report['mfu']['mfu_pct'], '.1f')}%" if "mfu" in report else ""
         # A run that failed before its first measured step has no numbers: say so, never fail on formatting them.
         say(
             f"profile up to global step {trainer.global_step} (global rank {trainer.global_rank} reporting): "
-            f"{report['steps_measured']} steps measured, step time p50 {_num(st['p50'], '.2f')} ms (p90 "
-            f"{_num(st['p90'], '.2f')}, max {_num(st['max'], '.2f')}), data wait "
-            f"{_num(report['data_wait']['pct'], '.1f')}%, "
-            f"{_num(th['samples_per_s_global'], '.0f')} samples/s over {self._world_size} rank(s){mfu}; report in "
+            f"{report['steps_measured']} steps measured, step time p50 {num(st['p50'], '.2f')} ms (p90 "
+            f"{num(st['p90'], '.2f')}, max {num(st['max'], '.2f')}), data wait "
+            f"{num(report['data_wait']['pct'], '.1f')}%, "
+            f"{num(th['samples_per_s_global'], '.0f')} samples/s over {self._world_size} rank(s){mfu}; report in "
             f"{out / 'profile.md'}",
             level=logging.INFO,
         )
 
     def _build_report(self, trainer: L.Trainer, complete: bool) -> dict[str, Any]:
-        nan_to_none = lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else v  # noqa: E731
-        step_ms = list(self._own_step_ms)
-        windows = [w for w in self._windows if any(r.window.steps for r in w.ranks)]
-        per_rank: dict[int, list] = {}
-        for w in windows:
-            for r in w.ranks:
-                per_rank.setdefault(r.global_rank, []).append(r)
-        totals = {rank: _total(rows) for rank, rows in sorted(per_rank.items())}
-        own = totals.get(self._global_rank)
-        # distinct samples: tensor-parallel peers train on the same batch
-        samples_global = sum(t["samples"] for t in totals.values()) / self._replicas
-        tokens_global = sum(t["tokens"] for t in totals.values()) / self._replicas
-        time_global = max((t["time_s"] for t in totals.values()), default=0.0)
-        report: dict[str, Any] = {
-            "kind": "profile",
-            "global_step": trainer.global_step,
-            "ranks": list(range(self._world_size)),
-            "world_size": self._world_size,
-            "complete": complete,
-            "device": str(
-                self._device.type if self._device.type != "cuda" else torch.cuda.get_device_name(self._device)
-            ),
-            "log_every_n_steps": self._every,
-            "accumulate_grad_batches": trainer.accumulate_grad_batches,
-            "steps_measured": len(step_ms),
-            "step_time_ms": {
-                "p50": percentile(step_ms, 50),
-                "p90": percentile(step_ms, 90),
-                "max": max(step_ms, default=math.nan),
-                "mean": sum(step_ms) / len(step_ms) if step_ms else math.nan,
-            },
-            "data_wait": {
-                "ms_per_step": sum(self._own_wait_ms) / len(step_ms) if step_ms else math.nan,
-                "pct": 100.0 * sum(self._own_wait_ms) / sum(step_ms) if step_ms else math.nan,
-            },
-            "throughput": {
-                "samples": samples_global,
-                "samples_per_s": own["samples"] / own["time_s"] / self._replicas if own and own["time_s"] else math.nan,
-                "samples_per_s_global": samples_global / time_global if time_global else math.nan,
-            },
-            "memory": {},
-            "per_rank": [],
-        }
-        if tokens_global:
-            report["throughput"].update(
-                tokens=tokens_global,
-                tokens_per_s=own["tokens"] / own["time_s"] / self._replicas,
-                tokens_per_s_global=tokens_global / time_global,
-            )
-        if self._flops_per_sample and self._peak_flops and time_global:
-            report["mfu"] = {
-                "mfu_pct": mfu_pct(
-                    self._flops_per_sample, samples_global / time_global / self._world_size, self._peak_flops
-                ),
-                "flops_per_sample": self._flops_per_sample,
-                "flops_from": (
-                    "the model's flops_per_token() formula" if self._flops_from == "model" else "torch FlopCounterMode"
-                ),
-                "peak_flops_per_device": self._peak_flops,
-                "peak_from": "config" if self.peak_flops_override is not None else "lightning",
-            }
-        for name in ("rss_gib", "max_allocated_gib", "max_reserved_gib", "alloc_retries", "ooms"):
-            values = [getattr(r.memory, name) for rows in per_rank.values() for r in rows]
-            values = [v for v in values if not math.isnan(v)]
-            if values:
-                report["memory"][name] = {"min": min(values), "max": max(values)}
-        for rank, t in totals.items():
-            report["per_rank"].append({"global_rank": rank, **{k: v for k, v in t.items() if k != "tokens"}})
-        stragglers = [w.straggler for w in windows if w.straggler is not None]
-        if stragglers:
-            counts = Counter(s.global_rank for s in stragglers)
-            report["stragglers"] = {
-                "windows": len(stragglers),
-                "slowest_global_rank": counts.most_common(1)[0][0],
-                "times_slowest": {str(k): v for k, v in sorted(counts.items())},
-                "lag_ms_mean": 1e3 * sum(s.lag_s for s in stragglers) / len(stragglers),
-                "lag_ms_max": 1e3 * max(s.lag_s for s in stragglers),
-                "lag_pct_mean": sum(s.lag_pct for s in stragglers) / len(stragglers),
-                "file": str(reports_dir(trainer) / "stragglers.jsonl"),
-            }
+        info = RunInfo(
+            global_step=trainer.global_step,
+            global_rank=self._global_rank,
+            world_size=self._world_size,
+            complete=complete,
+            device=str(self._device.type if self._device.type != "cuda" else torch.cuda.get_device_name(self._device)),
+            log_every_n_steps=self._every,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            flops_from=self._flops_from,
+            peak_from="config" if self.peak_flops_override is not None else "lightning",
+        )
+        report = build_report(info, self._windows, self._own_step_ms, self._own_wait_ms)
+        if "stragglers" in report:
+            report["stragglers"]["file"] = str(reports_dir(trainer) / "stragglers.jsonl")
         trace_files = self._traces.files if self._traces is not None else []
         if trace_files:
             report["traces_dir"] = str(Path(trace_files[0]).parent)
             report["traces"] = sorted(Path(p).name for p in trace_files)  # rank zero's; each rank writes its own
         if self._snapshots.files:
             report["memory_snapshots"] = sorted(Path(p).name for p in self._snapshots.files)
-        return _clean(report, nan_to_none)
-
-
-def _total(rows: list[RankWindow]) -> dict[str, Any]:
-    """One rank over the whole fit, from its windows (p50 is the median of its window p50s)."""
-    steps = sum(r.window.steps for r in rows)
-    time_s = sum(r.window.time_s for r in rows)
-    wait_s = sum(r.window.data_wait_s for r in rows)
-    samples = sum(r.window.samples for r in rows)
-    rss = [r.memory.rss_gib for r in rows if not math.isnan(r.memory.rss_gib)]
-    return {
-        "steps": steps,
-        "time_s": time_s,
-        "step_time_ms_mean": 1e3 * time_s / steps if steps else math.nan,
-        "step_time_ms_p50": 1e3 * percentile([r.window.step_time_s_p50 for r in rows], 50),
-        "step_time_ms_max": 1e3 * max(r.window.step_time_s_max for r in rows),
-        "pre_sync_ms_mean": 1e3 * sum(r.window.pre_sync_s for r in rows) / steps if steps else math.nan,
-        "data_wait_pct": 100.0 * wait_s / time_s if time_s else math.nan,
-        "samples": samples,
-        "tokens": sum(r.window.tokens for r in rows),
-        "samples_per_s": samples / time_s if time_s else math.nan,
-        "rss_gib_max": max(rss) if rss else math.nan,
-    }
-
-
-def _clean(value: Any, fix: Callable[[Any], Any]) -> Any:
-    """NaN -> None all through, so the JSON is valid and an absent figure reads as absent."""
-    if isinstance(value, dict):
-        return {k: _clean(v, fix) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clean(v, fix) for v in value]
-    return fix(value)
-
-
-def _num(value: Any, spec: str) -> str:
-    """``value`` formatted with ``spec``, or ``n/a`` when there is no number (no step measured)."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "n/a"
-    return format(value, spec)
+        return json_ready(report)
 
 
 def same_batch_ranks(strategy: Any) -> int:

@@ -62,6 +62,23 @@ class WindowStats:
             step_time_s_max=max(times) if times else math.nan,
         )
 
+    @classmethod
+    def merge(cls, parts: Sequence[WindowStats]) -> WindowStats:
+        """Several windows of one rank as one (the whole run): sums add up; p50 and p90 are the medians of the
+        windows' (the step times themselves are not kept), max is the max."""
+        parts = [p for p in parts if p.steps]
+        return cls(
+            steps=sum(p.steps for p in parts),
+            time_s=sum(p.time_s for p in parts),
+            data_wait_s=sum(p.data_wait_s for p in parts),
+            pre_sync_s=sum(p.pre_sync_s for p in parts),
+            samples=sum(p.samples for p in parts),
+            tokens=sum(p.tokens for p in parts),
+            step_time_s_p50=percentile([p.step_time_s_p50 for p in parts], 50),
+            step_time_s_p90=percentile([p.step_time_s_p90 for p in parts], 50),
+            step_time_s_max=max((p.step_time_s_max for p in parts), default=math.nan),
+        )
+
     @property
     def data_wait_pct(self) -> float:
         return 100.0 * _ratio(self.data_wait_s, self.time_s)
@@ -83,6 +100,11 @@ class WindowStats:
         return _ratio(self.pre_sync_s, self.steps)
 
 
+def _max(values: Sequence[float]) -> float:
+    present = [v for v in values if not math.isnan(v)]
+    return max(present) if present else math.nan
+
+
 @dataclass(frozen=True)
 class MemoryStats:
     """Sampled at a log step. NaN where it does not apply (GPU figures on the CPU)."""
@@ -92,6 +114,11 @@ class MemoryStats:
     max_reserved_gib: float = math.nan
     alloc_retries: float = math.nan
     ooms: float = math.nan
+
+    @classmethod
+    def merge(cls, parts: Sequence[MemoryStats]) -> MemoryStats:
+        """The highest of each figure (memory peaks, counters that only grow)."""
+        return cls(**{f.name: _max([getattr(p, f.name) for p in parts]) for f in fields(cls)})
 
     @classmethod
     def sample(cls, device: torch.device, process: Any = None) -> MemoryStats:
@@ -188,6 +215,31 @@ class GlobalWindow:
     peak_flops: float | None = None
     # ranks that train on the same batch (tensor-parallel peers): the global counts are of distinct samples
     replicas: int = 1
+
+    @classmethod
+    def merge(cls, windows: Sequence[GlobalWindow]) -> GlobalWindow:
+        """The whole run as one window: each rank's windows merged, so the run's throughput and MFU are computed by
+        the same properties as a window's. Its step is the last window's; it has no straggler of its own."""
+        per_rank: dict[int, list[RankWindow]] = {}
+        for w in windows:
+            for r in w.ranks:
+                per_rank.setdefault(r.global_rank, []).append(r)
+        ranks = [
+            RankWindow(rank, WindowStats.merge([r.window for r in rows]), MemoryStats.merge([r.memory for r in rows]))
+            for rank, rows in sorted(per_rank.items())
+        ]
+        last = windows[-1] if windows else None
+        return cls(
+            last.step if last else 0,
+            ranks,
+            None,
+            last.flops_per_sample if last else None,
+            last.peak_flops if last else None,
+            last.replicas if last else 1,
+        )
+
+    def rank(self, global_rank: int) -> RankWindow | None:
+        return next((r for r in self.ranks if r.global_rank == global_rank), None)
 
     @property
     def samples(self) -> float:
