@@ -14,6 +14,7 @@ import torch
 
 from lit_template.callbacks.sync_check import SyncCheck
 from lit_template.diagnostics import checksum as cs
+from lit_template.diagnostics.local_sgd import LocalSGDSchedule
 from lit_template.errors import ConfigError
 from lit_template.testing.faults import flip_lowest_bit
 
@@ -313,20 +314,20 @@ def test_local_sgd_mode_checks_gradients_in_warmup_and_parameters_right_after_av
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         averager = PeriodicModelAverager(period=4, warmup_steps=5)
-        check = SyncCheck(every_n_steps=1)
-        check._averager = averager
+        schedule = LocalSGDSchedule(averager)
         param = torch.nn.Parameter(torch.ones(3))
         param.grad = torch.zeros(3)
         grads_checked, params_checked = [], []
         for global_step in range(1, 19):
-            if check._grads_synced():
+            if schedule.grads_synced():
                 grads_checked.append(global_step)
             averager.average_parameters([param])  # what DDPStrategy.optimizer_step does after the step
-            if check._params_synced():
+            if schedule.params_synced():
                 params_checked.append(global_step)
         assert grads_checked == [1, 2, 3, 4, 5]
         assert params_checked == [1, 2, 3, 4, 5, 6, 10, 14, 18]
-        check._averager = None  # plain DDP: every step
-        assert check._grads_synced() and check._params_synced()
+        plain = LocalSGDSchedule(None)  # plain DDP: every step
+        assert plain.grads_synced() and plain.params_synced() and plain.summary() is None
+        assert schedule.summary()["model_averaging_period"] == 4
     finally:
         dist.destroy_process_group()

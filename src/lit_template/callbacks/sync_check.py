@@ -40,6 +40,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_template.diagnostics import checksum as cs
+from lit_template.diagnostics.local_sgd import LocalSGDSchedule
 from lit_template.diagnostics.report import append_jsonl, reports_dir, say, write_json
 from lit_template.distributed.shards import local as local_shard
 from lit_template.distributed.shards import replica_key
@@ -211,11 +212,10 @@ class SyncCheck(L.Callback):
         self._step_counts: dict[str, int] = {}
         self._step_ms = 0.0
         # local SGD: the strategy's PeriodicModelAverager (None: every step syncs), and what was skipped because of it
-        self._averager: Any = None
+        self._local_sgd = LocalSGDSchedule()
         self._sharded = False  # ModelParallelStrategy: compare DTensor shards among the ranks holding the same one
         self._said_shards = False
         self._params_deferred = False
-        self.local_sgd_counts = {"grad_checks_skipped": 0, "param_checks_deferred": 0, "fit_end_check_skipped": 0}
         self.last_check_ms = 0.0  # time spent in the last check step's checks (also logged as sync/check_ms)
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
@@ -266,14 +266,9 @@ class SyncCheck(L.Callback):
     # -- hooks ----------------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # built in strategy.setup, after the callbacks' setup
-        self._averager = model_averager(trainer.strategy) if self.active else None
-        if self._averager is not None:
-            rank_zero_only(say)(
-                f"sync check: local SGD (parameters averaged every {self._averager.period} steps after step "
-                f"{self._averager.warmup_steps}): gradients are checked only before step {self._averager.warmup_steps}"
-                ", parameters right after averaging steps",
-                logging.INFO,
-            )
+        self._local_sgd = LocalSGDSchedule(model_averager(trainer.strategy) if self.active else None)
+        if self._local_sgd.active:
+            rank_zero_only(say)(self._local_sgd.sentence(), logging.INFO)
         if not (self.active and self.at_fit_start):
             return
         start = time.perf_counter()
@@ -315,8 +310,8 @@ class SyncCheck(L.Callback):
         self._remove_hooks()
         trainable = self._named_params(pl_module, trainable=True)
         groups = []
-        if self.check_grads and not self._grads_synced():
-            self.local_sgd_counts["grad_checks_skipped"] += 1
+        if self.check_grads and not self._local_sgd.grads_synced():
+            self._local_sgd.counts["grad_checks_skipped"] += 1
         elif self.check_grads:
             groups.append(
                 self._group("grad_mismatch", [(n, p.grad) for n, p in trainable], like=[p for _, p in trainable])
@@ -356,11 +351,11 @@ class SyncCheck(L.Callback):
     ) -> None:
         if not self._params_due:
             return
-        if not self._params_synced():
+        if not self._local_sgd.params_synced():
             # local SGD between averaging steps: the replicas differ on purpose; check right after the next averaging
             if not self._params_deferred:
                 self._params_deferred = True
-                self.local_sgd_counts["param_checks_deferred"] += 1
+                self._local_sgd.counts["param_checks_deferred"] += 1
                 self._log_step(pl_module)
             return
         start = time.perf_counter()
@@ -371,8 +366,8 @@ class SyncCheck(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._remove_hooks()
-        if self.active and self.at_fit_end and self.check_params and not self._params_synced():
-            self.local_sgd_counts["fit_end_check_skipped"] += 1
+        if self.active and self.at_fit_end and self.check_params and not self._local_sgd.params_synced():
+            self._local_sgd.counts["fit_end_check_skipped"] += 1
         elif self.active and self.at_fit_end and self.check_params:
             start = time.perf_counter()
             group = self._group("param_mismatch", self._named_params(pl_module, trainable=False))
@@ -565,13 +560,7 @@ class SyncCheck(L.Callback):
                 "findings": self.findings,
                 "tensors_checked": self.tensors_checked,
                 "stopped": bool(self.on_mismatch == "stop" and any(self.findings[k] for k in SEVERE)),
-                "local_sgd": None
-                if self._averager is None
-                else {
-                    "model_averaging_period": self._averager.period,
-                    "start_localSGD_iter": self._averager.warmup_steps,
-                    **self.local_sgd_counts,
-                },
+                "local_sgd": self._local_sgd.summary(),
             },
         )
 
@@ -586,21 +575,6 @@ class SyncCheck(L.Callback):
         metrics["sync/check_ms"] = self.last_check_ms = self._step_ms
         self._step_counts, self._step_ms = {}, 0.0
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
-
-    # -- local SGD ------------------------------------------------------------------------------------------------
-    def _grads_synced(self) -> bool:
-        """Before this step's optimizer step: were its gradients all-reduced across all ranks?"""
-        # the post-local SGD hook all-reduces globally for the first start_localSGD_iter backward passes (= optimizer
-        # steps: Lightning skips the hook under no_sync while accumulating), as the averager counts its warm-up
-        return self._averager is None or self._averager.step < self._averager.warmup_steps
-
-    def _params_synced(self) -> bool:
-        """After an optimizer step: are the replicas' parameters meant to be identical now?"""
-        if self._averager is None:
-            return True
-        step = self._averager.step - 1  # the averager's count of the step just taken (it counts from 0)
-        warmup, period = self._averager.warmup_steps, self._averager.period
-        return step < warmup or (step - warmup) % period == 0
 
     # -- helpers --------------------------------------------------------------------------------------------------
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
