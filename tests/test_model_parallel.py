@@ -220,12 +220,10 @@ def test_sync_check_names_a_perturbed_shard_and_nan_guard_stops_every_rank_on_th
         *steps(8),
         *MESH_2X2,
         "callbacks.sync_check.every_n_steps=1",
-        # tensor parallelism leaves the replicated LayerNorm/embedding copies of the 2 TP ranks ~1e-10 apart on gloo
-        # (docs/model_parallel.md): exact checksums would flag that from step 0
-        "callbacks.sync_check.mode=tolerance",
-        "callbacks.sync_check.rtol=1e-5",
-        # rank 1's copy of ln_f (FSDP2 shards it over data-parallel ranks; ranks 0 and 1 hold the same shard)
-        *fault("fault", action="perturb_param", rank=1, step=3, target="net.ln_f.weight"),
+        # exact checksums (the default): the replicated copies of tensor-parallel peers are bit-identical
+        # rank 1's shard of ln_f's gradient, after the reduce-scatter (FSDP2 shards ln_f over the data-parallel
+        # ranks; tensor-parallel peers 0 and 1 hold the same shard)
+        *fault("fault", action="perturb_grad", rank=1, step=3, target="net.ln_f.weight"),
         *fault("nan", action="nan_grad", rank=2, step=5),
         log_dir=logs / "callbacks_2x2",
         check=False,
@@ -235,11 +233,14 @@ def test_sync_check_names_a_perturbed_shard_and_nan_guard_stops_every_rank_on_th
     assert "16 of 36 tensors have a copy of their shard on another rank" in run.output, run.output[-4000:]
     findings = records(run, "sync_check.jsonl")
     assert findings and min(f["global_step"] for f in findings) >= 3, findings[:2]  # nothing before the fault
-    first_param = next(f for f in findings if f["kind"] == "param_mismatch")
-    assert first_param["ranks"] == [1]
-    (tensor,) = first_param["tensors"]
+    first = findings[0]
+    assert first["kind"] == "grad_mismatch" and first["global_step"] == 3 and first["ranks"] == [1], first
+    (tensor,) = first["tensors"]
     assert tensor["name"] == "net.ln_f.weight" and tensor["ranks"] == [1] and tensor["reference_rank"] == 0
-    assert "parameters differ across ranks" in run.output and "net.ln_f.weight on rank 1" in run.output
+    assert "gradients differ across ranks at global step 3" in run.output
+    assert "net.ln_f.weight on rank 1" in run.output
+    # from then on rank 1 trains another model: its parameters differ too
+    assert any(f["kind"] == "param_mismatch" and 1 in f["ranks"] for f in findings)
     # the NaN gradient in rank 2's shard: every rank stops, at the next step (read one step later, no host sync)
     (event,) = records(run, "nonfinite.jsonl")
     assert event["what"] == "grad" and event["ranks"] == [2] and event["global_step"] == 5, event

@@ -164,3 +164,17 @@ def record_memory_history(max_entries: int | None) -> None:
 def dump_memory_snapshot(path: Any) -> None:
     """Write the allocator history (``torch.cuda.memory._dump_snapshot``) for pytorch.org/memory_viz."""
     torch.cuda.memory._dump_snapshot(str(path))
+
+
+def set_threads_per_process(num_processes: int) -> None:
+    """Give this process its share of the CPU threads, as Lightning's launcher does for DDP ranks.
+
+    ``lightning.fabric.utilities.distributed._set_num_threads_if_needed`` (cores / processes per node, unless
+    ``OMP_NUM_THREADS`` is set) runs in ``_SubprocessScriptLauncher.launch``. DDPStrategy makes that launcher on every
+    rank, but ModelParallelStrategy (2.6.6) only where it starts the processes: its other ranks kept torch's default,
+    every core, so on 2 cores rank 1 ran 2 threads beside rank 0's 1 (oversubscribed, and its CPU reductions summed
+    in another order: tensor-parallel peers' replicated LayerNorm gradients differed by ~1e-10).
+    """
+    from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+
+    _set_num_threads_if_needed(num_processes=num_processes)

@@ -25,6 +25,7 @@ from typing import Any
 from lightning.pytorch.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
 
 from lit_template.errors import ConfigError
+from lit_template.lightning_compat import set_threads_per_process
 
 CHECKED_WITH = {"lightning": "2.6.6", "torch": "2.14.1"}
 
@@ -61,6 +62,11 @@ class ModelParallelStrategy(_LightningModelParallelStrategy):
             self._data_parallel_size, self._tensor_parallel_size, self.num_nodes, self.num_processes
         )
         super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        # the ranks this process did not start get their share of the CPU threads too (lightning_compat)
+        set_threads_per_process(self.num_processes)
+        super().setup_environment()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """A sharded checkpoint is written whole or not at all.
