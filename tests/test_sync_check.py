@@ -331,3 +331,16 @@ def test_local_sgd_mode_checks_gradients_in_warmup_and_parameters_right_after_av
         assert schedule.summary()["model_averaging_period"] == 4
     finally:
         dist.destroy_process_group()
+
+
+def test_compare_takes_the_majority_and_with_keys_only_among_ranks_holding_the_same_shard():
+    from lit_template.diagnostics.replicas import compare, has_peers
+
+    assert compare([7, 7, 7, 7], exact=True, rtol=0.0) == (-1, [])
+    assert compare([7, 7, 9, 7], exact=True, rtol=0.0) == (0, [2])
+    assert compare([1.0, 1.0 + 1e-9, 1.0], exact=False, rtol=1e-6) == (-1, [])
+    # a 2x2 mesh: ranks 0,1 hold shard A, ranks 2,3 shard B; shards differ on purpose, rank 3 drifted from rank 2
+    assert compare([5, 5, 8, 9], exact=True, rtol=0.0, keys=[1, 1, 2, 2]) == (2, [3])
+    # sharded over every rank: no peers, nothing to compare
+    assert compare([1, 2, 3, 4], exact=True, rtol=0.0, keys=[1, 2, 3, 4]) == (-1, [])
+    assert has_peers([1, 1, 2, 2]) and not has_peers([1, 2, 3, 4])

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -41,6 +41,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_template.diagnostics import checksum as cs
 from lit_template.diagnostics.local_sgd import LocalSGDSchedule
+from lit_template.diagnostics.replicas import (
+    WHAT,
+    Deviation,
+    Finding,
+    ReplicaDivergenceError,
+    TensorFinding,
+    compare,
+    has_peers,
+)
 from lit_template.diagnostics.report import append_jsonl, reports_dir, say, write_json
 from lit_template.distributed.shards import local as local_shard
 from lit_template.distributed.shards import replica_key
@@ -51,57 +60,6 @@ MODES = ("exact", "tolerance")
 ON_MISMATCH = ("warn", "raise", "stop")
 # kinds that mean the replicas train different models; the others are warnings and never raise or stop
 SEVERE = ("grad_mismatch", "param_mismatch")
-WHAT = {
-    "grad_mismatch": "gradients differ",
-    "param_mismatch": "parameters differ",
-    "buffer_mismatch": "buffers differ",
-    "no_local_grad": "no gradient from this rank's backward",
-}
-
-
-class ReplicaDivergenceError(RuntimeError):
-    """Raised on every rank by ``on_mismatch=raise`` when gradients or parameters differ across ranks."""
-
-
-@dataclass
-class TensorFinding:
-    """One tensor that differs across replicas: which ranks disagree with the majority, and by how much."""
-
-    name: str
-    shape: list[int]
-    dtype: str
-    ranks: list[int]
-    reference_rank: int
-    # max |value - reference| on each deviating rank, worst first; None where not measured (over the report limit)
-    max_abs_diff: float | None = None
-    max_abs_diff_by_rank: dict[int, float] = field(default_factory=dict)
-
-
-@dataclass
-class Finding:
-    """One check that found replicas out of sync: a record of ``reports/sync_check.jsonl``."""
-
-    kind: str
-    global_step: int
-    where: str
-    ranks: list[int]
-    tensors: list[TensorFinding]
-    num_tensors: int
-
-    def record(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def sentence(self) -> str:
-        named = ", ".join(
-            f"{t.name} on rank {','.join(map(str, t.ranks))}"
-            + (f" (max |diff| {t.max_abs_diff:.3g})" if t.max_abs_diff is not None else "")
-            for t in self.tensors[:3]
-        )
-        more = f" and {self.num_tensors - 3} more" if self.num_tensors > 3 else ""
-        return (
-            f"sync check: {WHAT[self.kind]} across ranks at global step {self.global_step} ({self.where}): "
-            f"rank(s) {', '.join(map(str, self.ranks))} deviate in {self.num_tensors} tensor(s): {named}{more}."
-        )
 
 
 @dataclass
@@ -116,16 +74,6 @@ class TensorGroup:
     exact: bool = False  # flags are compared exactly whatever the mode
     # model parallel: per tensor, a number equal on the ranks that hold the same shard (shards.replica_key)
     keys: list[int] | None = None
-
-
-@dataclass(frozen=True)
-class _Deviation:
-    """A tensor whose checksum (or norm) differs across ranks, from the gathered values."""
-
-    index: int  # in its TensorGroup
-    reference_rank: int  # a rank of the majority
-    ranks: list[int]  # the ranks that differ from it
-    values: list  # the gathered value of every rank
 
 
 @dataclass(frozen=True)
@@ -423,11 +371,11 @@ class SyncCheck(L.Callback):
         self._step_ms += (time.perf_counter() - start) * 1000
         self._report(trainer, findings)
 
-    def _find_deviating(self, groups: list[TensorGroup]) -> list[list[_Deviation]]:
-        """Per group, each tensor that differs across ranks."""
-        result: list[list[_Deviation]] = [[] for _ in groups]
+    def _find_deviating(self, groups: list[TensorGroup]) -> list[list[Deviation]]:
+        """Per group, each tensor that differs across ranks (the decisions: ``diagnostics/replicas.py``)."""
         if self._sharded:
             return self._find_deviating_shards(groups)
+        result: list[list[Deviation]] = [[] for _ in groups]
         if self.mode == "exact":
             # One collective for all kinds checked here: one combined checksum per kind and rank.
             gathered = self._all_gather(torch.stack([cs.combine(g.values) for g in groups]))
@@ -435,56 +383,40 @@ class SyncCheck(L.Callback):
             if not differ:
                 return result
             # Only on a mismatch: which tensors (the same groups on every rank, since `gathered` is the same).
-            per_tensor = self._all_gather(torch.cat([groups[i].values for i in differ])).tolist()
-            offset = 0
-            for i in differ:
-                for j in range(len(groups[i].names)):
-                    column = [row[offset + j] for row in per_tensor]
-                    if len(set(column)) > 1:
-                        result[i].append(_Deviation(j, *cs.majority(column), column))
-                offset += len(groups[i].names)
-            return result
-        # Tolerance mode: norms do not add up to one exact value, so the one gather carries the per-tensor norms.
-        gathered = self._all_gather(torch.cat([g.values.to(torch.float64) for g in groups])).tolist()
+            rows = self._all_gather(torch.cat([groups[i].values for i in differ])).tolist()
+        else:
+            # Tolerance mode: norms do not add up to one exact value, so the one gather carries the per-tensor norms.
+            differ = list(range(len(groups)))
+            rows = self._all_gather(torch.cat([g.values.to(torch.float64) for g in groups])).tolist()
         offset = 0
-        for i, group in enumerate(groups):
-            for j in range(len(group.names)):
-                column = [row[offset + j] for row in gathered]
-                reference, ranks = cs.majority(column) if group.exact else cs.majority_within(column, self.rtol)
+        for i in differ:
+            exact = self.mode == "exact" or groups[i].exact
+            for j in range(len(groups[i].names)):
+                column = [row[offset + j] for row in rows]
+                reference, ranks = compare(column, exact, self.rtol)
                 if ranks:
-                    result[i].append(_Deviation(j, reference, ranks, column))
-            offset += len(group.names)
+                    result[i].append(Deviation(j, reference, ranks, column))
+            offset += len(groups[i].names)
         return result
 
-    def _find_deviating_shards(self, groups: list[TensorGroup]) -> list[list[_Deviation]]:
+    def _find_deviating_shards(self, groups: list[TensorGroup]) -> list[list[Deviation]]:
         """Model parallel: per tensor, compare the ranks holding the same shard (one all_gather of values and keys)."""
         values = torch.cat([g.values for g in groups])
         keys = torch.tensor([k for g in groups for k in g.keys or [0] * len(g.names)], device=values.device)
-        gathered = self._all_gather(torch.stack([values, keys.to(values.dtype)])).tolist()  # (world, 2, n)
-        result: list[list[_Deviation]] = []
+        rows = self._all_gather(torch.stack([values, keys.to(values.dtype)])).tolist()  # (world, 2, n)
+        result: list[list[Deviation]] = []
         offset, compared, total = 0, 0, 0
         for group in groups:
             found = []
+            exact = self.mode == "exact" or group.exact
             for j in range(len(group.names)):
-                column = [row[0][offset + j] for row in gathered]
-                peers: dict[Any, list[int]] = {}
-                for rank, row in enumerate(gathered):
-                    peers.setdefault(row[1][offset + j], []).append(rank)
-                reference, ranks = -1, []
+                column = [row[0][offset + j] for row in rows]
+                key_column = [row[1][offset + j] for row in rows]
                 total += 1
-                compared += any(len(members) > 1 for members in peers.values())
-                for members in peers.values():
-                    if len(members) < 2:
-                        continue  # no other rank holds this shard
-                    sub = [column[r] for r in members]
-                    ref, bad = (
-                        cs.majority(sub) if group.exact or self.mode == "exact" else cs.majority_within(sub, self.rtol)
-                    )
-                    if bad and reference < 0:
-                        reference = members[ref]
-                    ranks += [members[b] for b in bad]
+                compared += has_peers(key_column)
+                reference, ranks = compare(column, exact, self.rtol, key_column)
                 if ranks:
-                    found.append(_Deviation(j, reference, sorted(ranks), column))
+                    found.append(Deviation(j, reference, ranks, column))
             result.append(found)
             offset += len(group.names)
         if not self._said_shards:
