@@ -2,7 +2,7 @@
 PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
 
-.PHONY: install train train-ddp test test-fast lint format bench clean help
+.PHONY: install train train-ddp test test-fast lint format bench rename clean help
 
 help:  ## show the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*##/\t/'
@@ -45,6 +45,10 @@ bench:  ## the template versus a hand-written loop (1 process, then 2 over gloo)
 	OMP_NUM_THREADS=1 $(PY) scripts/bench_profiling.py
 	$(PY) scripts/bench_hang_doctor.py
 	$(PY) scripts/bench_gpt.py --rounds 3 --steps 300
+
+rename:  ## make the template your own project: make rename NAME=my_project
+	@test -n "$(NAME)" || { echo "error: NAME is required: make rename NAME=my_project"; exit 2; }
+	$(PY) scripts/rename.py $(NAME)
 
 clean:  ## remove run outputs
 	rm -rf logs/ outputs/ multirun/ .pytest_cache

@@ -17,6 +17,7 @@ from lit_template.distributed.env import apply_env, check_launch_env
 from lit_template.distributed.launch import prepare_job_for_ddp_children
 from lit_template.errors import ConfigError
 from lit_template.utils import RankedLogger, instantiate_callbacks, instantiate_loggers, task_wrapper
+from lit_template.utils.loggers import continue_runs
 from lit_template.utils.rich_utils import print_config_tree
 
 log = RankedLogger(__name__, rank_zero_only=True)
@@ -97,10 +98,12 @@ def run(cfg: DictConfig) -> float | None:
         print_config_tree(cfg, save_to=f"{cfg.paths.output_dir}/config_tree.log")
     objects = build(cfg)
     trainer, model, datamodule = objects["trainer"], objects["model"], objects["datamodule"]
+    ckpt_path = resolve_ckpt_path(cfg) if cfg.get("train", True) else None
+    # before any logger starts its run: a resumed training continues the checkpoint's MLflow / W&B run
+    continue_runs(objects["loggers"], ckpt_path)
     log_hyperparameters(objects)
 
     if cfg.get("train", True):
-        ckpt_path = resolve_ckpt_path(cfg)
         if ckpt_path:
             log.info(f"resuming from {ckpt_path}")
         try:

@@ -159,6 +159,13 @@ def _install_child_rank_watch(run_dir: Path | None) -> None:
     wrap_process_observer(launch_observers)
 
 
+def _close_loggers(status: str) -> None:
+    # every job ends its logger runs (MLflow, W&B): the next job of a multirun gets runs of its own
+    from lit_template.utils.loggers import close_loggers
+
+    close_loggers(status)
+
+
 def _teardown_distributed() -> None:
     # A multirun runs its jobs in one process: the next job must not find this job's process group or port.
     if dist.is_available() and dist.is_initialized():
@@ -222,9 +229,12 @@ def task_wrapper(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], An
         except Exception:  # noqa: BLE001  (a config without paths, e.g. in a unit test)
             run_dir = None
         _install_child_rank_watch(Path(run_dir) if run_dir else None)
+        status = "failed"  # how the job's logger runs end (close_loggers)
         try:
             value = task(cfg)
+            status = "success"
         except Preempted:
+            status = "killed"
             # every rank stopped at the same step with last.ckpt saved; the launching rank lets its children finish
             watch = _ACTIVE_WATCH[0]
             if watch is not None:
@@ -246,6 +256,7 @@ def task_wrapper(task: Callable[[DictConfig], Any]) -> Callable[[DictConfig], An
             _write_failure(cfg, err)
             return _failed_job(f"job failed with {type(err).__name__}: {err}")
         finally:
+            _close_loggers(status)
             _teardown_distributed()
         if isinstance(value, float) and math.isnan(value) and in_multirun():
             return _failed_job(
