@@ -102,6 +102,21 @@ class LitClassifier(L.LightningModule):
         self.log("test/loss", self.test_loss, on_step=False, on_epoch=True)
         self.log("test/acc", self.test_acc, on_step=False, on_epoch=True)
 
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> dict[str, torch.Tensor]:
+        """``prediction`` (the likeliest class), ``scores`` (softmax, batch x classes) and the samples' ``index``.
+
+        predict.py's batches are ``{"index", "input", "target"}`` dicts; a plain ``(x, y)`` or ``x`` batch has no
+        index, and a prediction writer takes the indices Lightning's predict loop tracked instead."""
+        if isinstance(batch, dict):
+            x, index = batch["input"], batch.get("index")
+        else:
+            x, index = (batch[0] if isinstance(batch, (tuple, list)) else batch), None
+        scores = self(x).float().softmax(dim=1)
+        out = {"prediction": scores.argmax(dim=1), "scores": scores}
+        if index is not None:
+            out["index"] = index
+        return out
+
     def setup(self, stage: str) -> None:
         if self.hparams.compile and stage == "fit":
             self.net = torch.compile(self.net)
