@@ -38,7 +38,7 @@ format:  ## fix what ruff can fix, then format
 
 bench:  ## the template versus a hand-written loop (1 process, then 2 over gloo), each callback's own overhead, GPT tokens/s
 	$(PY) scripts/benchmark.py --batch-size 256 --per-callback
-	$(PY) scripts/benchmark.py --batch-size 1024 --per-callback
+	$(PY) scripts/benchmark.py --batch-size 1024 --per-callback --lightning-costs --tty
 	$(PY) scripts/benchmark.py --batch-size 4096
 	$(PY) scripts/benchmark.py --batch-size 1024 --ddp
 	$(PY) scripts/bench_sync_check.py

@@ -38,6 +38,25 @@ OWN_CALLBACKS = (
     "last_checkpoint",
     "preemption",
 )
+# --lightning-costs: (d) with one piece of Lightning's per-step work removed (or, for the stock bar, put back)
+STOCK_BAR = [
+    "callbacks.rich_progress_bar._target_=lightning.pytorch.callbacks.RichProgressBar",
+    "callbacks.rich_progress_bar.refresh_rate=100",
+    "~callbacks.rich_progress_bar.step_metrics",
+]
+LIGHTNING_COSTS = {
+    "d-bar": (
+        "the progress bar (none at all)",
+        ["callbacks.rich_progress_bar=null", "++trainer.enable_progress_bar=false"],
+    ),
+    "d-logger": ("the CSV logger (writes every log_every_n_steps)", ["~logger"]),
+    "d-ckpt": (
+        "ModelCheckpoint's per-batch hook",
+        ["callbacks.model_checkpoint=null", "++trainer.enable_checkpointing=false"],
+    ),
+    # negative: what Lightning's own bar (redrawn 100 times a second, metrics read every step) costs on top
+    "d-stockbar": ("the template's bar instead of Lightning's RichProgressBar", STOCK_BAR),
+}
 # --per-callback: each one on alone against all off, in the same rounds (preemption saves through last_checkpoint)
 ALONE = {"preemption": ("last_checkpoint", "preemption")}
 
@@ -114,12 +133,45 @@ def data_overrides(args: argparse.Namespace) -> list[str]:
     return [f"data.batch_size={args.batch_size}", f"data.train_repeat={args.repeat}"]
 
 
-def run_variant(name: str, cmd: list[str], out: Path, env: dict) -> dict:
+def run_in_terminal(cmd: list[str], env: dict) -> tuple[int, str]:
+    """``cmd`` with stdin/stdout/stderr on a pseudo-terminal (200 x 50), as a user in a terminal runs it: rich draws
+    its progress bar (to a pipe it draws nothing). The output is read as a terminal would, as fast as it comes."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env={**env, "TERM": "xterm-256color"}, stdin=slave, stdout=slave, stderr=slave
+    )
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 1 << 16)
+        except OSError:  # EIO: every process holding the terminal has exited
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    return proc.wait(), b"".join(chunks).decode(errors="replace")
+
+
+def run_variant(name: str, cmd: list[str], out: Path, env: dict, tty: bool = False) -> dict:
     out.unlink(missing_ok=True)
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env={**env, "LT_BENCH_T0": repr(t0)}, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"{name} failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    env = {**env, "LT_BENCH_T0": repr(t0)}
+    if tty:
+        returncode, output = run_in_terminal(cmd, env)
+        if returncode != 0:
+            sys.exit(f"{name} failed ({' '.join(cmd)}):\n{output[-4000:]}")
+    else:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"{name} failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     result = json.loads(out.read_text())
     result["wall_s"] = time.time() - t0
     return result
@@ -145,6 +197,15 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true", help="2 gloo processes instead of 1")
     parser.add_argument(
         "--per-callback", action="store_true", help="also each template callback on alone (vs all off): us per step"
+    )
+    parser.add_argument(
+        "--lightning-costs",
+        action="store_true",
+        help="also (d) without each avoidable piece of Lightning's per-step work (progress bar, logger) and with "
+        "Lightning's stock RichProgressBar instead of the template's: us per step",
+    )
+    parser.add_argument(
+        "--tty", action="store_true", help="run every variant on a pseudo-terminal, as a user does (rich draws its bar)"
     )
     parser.add_argument("--raw-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
@@ -213,6 +274,10 @@ def main() -> None:
                 f"all off but {' + '.join(on)}",
                 [sys.executable, "train.py", *common, *off, *timer],
             )
+    if args.lightning_costs:
+        # what (d) still pays per step that is Lightning's and can be switched off or replaced, one at a time
+        for key, (label, extra) in LIGHTNING_COSTS.items():
+            variants[key] = (label, [sys.executable, "train.py", *common, *own_off, *extra, *timer])
     per_round: dict[str, list[tuple[float, float, float]]] = {key: [] for key in variants}
     for round_ in range(args.rounds):
         # a b c d, then d c b a: a slow drift of the machine's speed falls on every variant alike
@@ -222,7 +287,7 @@ def main() -> None:
             out = tmp / f"{key}.json"
             cmd = cmd + ([f"--out={out}"] if key == "a" else [f"+callbacks.bench.out={out}"])
             print(f"round {round_ + 1}/{args.rounds}: ({key}) {label} ...", file=sys.stderr, flush=True)
-            per_round[key].append(summarize(run_variant(label, cmd, out, env), args.skip))
+            per_round[key].append(summarize(run_variant(label, cmd, out, env, tty=args.tty), args.skip))
     results = {
         key: tuple(statistics.median(column) for column in zip(*rows, strict=True)) for key, rows in per_round.items()
     }
@@ -265,7 +330,17 @@ def main() -> None:
             print(
                 f"  {key[2:]:<16} {statistics.median(us):>8.0f} us per step  (rounds: {min(us):.0f} .. {max(us):.0f})"
             )
+    costs = [key for key in variants if key in LIGHTNING_COSTS]
+    if costs:
+        print(
+            "Lightning's per-step work, against (d) in the same round (median over rounds; + is what (d) pays for it):"
+        )
+        for key in costs:
+            us = [(d[0] - row[0]) * 1e3 for row, d in zip(per_round[key], per_round["d"], strict=True)]
+            label = LIGHTNING_COSTS[key][0]
+            print(f"  {label:<52} {statistics.median(us):>8.0f} us per step  (rounds: {min(us):.0f} .. {max(us):.0f})")
     print(f"(c) turns off: {', '.join(sync_prof_off)}; (d) turns off: {', '.join(own_off)}")
+    print(f"output on a {'pseudo-terminal (rich draws the bar)' if args.tty else 'pipe (rich draws nothing)'}")
 
 
 if __name__ == "__main__":

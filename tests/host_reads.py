@@ -21,6 +21,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from lit_template.models.gpt import GPT
+
 METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 
 
@@ -92,3 +94,13 @@ class HostReads(L.Callback):
                 )
             )
         print(f"host reads written to {self.out}", file=sys.stderr)
+
+
+class GPTLossOnBar(GPT):
+    """model=gpt logging its step loss with ``prog_bar=True``, the way Lightning's docs show it (for the test that
+    shows what that costs)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.model_step(batch)
+        self.log("train/loss_step", loss.detach(), on_step=True, on_epoch=False, prog_bar=True)
+        return loss

@@ -20,6 +20,10 @@ RUN = (
 )
 
 
+# model=gpt logs its step loss for the progress bar (prog_bar=True, on_step=True): the bar must not read it per step
+GPT = ("experiment=gpt_tiny", "trainer.max_steps=110", "data.max_bytes=300000", "optimized_metric=null")
+
+
 def reads(train, tmp_path, *overrides: str) -> dict:
     out = tmp_path / "reads.json"
     train(*RUN, f"+callbacks.hostreads.out={out}", *overrides, env={"PYTHONPATH": str(TESTS)}, timeout=200)
@@ -39,7 +43,11 @@ def outside_log_steps(data: dict, owner: str, every: int = 100) -> dict[int, int
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 # each rank has half the data under ddp_cpu: twice the epochs for 100+ steps
-@pytest.mark.parametrize("launch", [(), ("trainer=ddp_cpu", "trainer.max_epochs=10")], ids=["1-process", "ddp_cpu"])
+@pytest.mark.parametrize(
+    "launch",
+    [(), ("trainer=ddp_cpu", "trainer.max_epochs=10"), GPT],
+    ids=["1-process", "ddp_cpu", "gpt"],
+)
 def test_no_host_read_per_step_outside_log_steps_at_the_defaults(train, tmp_path, launch):
     data = reads(train, tmp_path, *launch)
     where = sorted(data["where"].items(), key=lambda kv: -kv[1])
@@ -55,3 +63,14 @@ def test_the_counter_sees_the_one_read_per_step_that_nan_skipping_needs(train, t
     per_step = outside_log_steps(data, "template")
     assert len(per_step) >= 80 and set(per_step.values()) == {2}, per_step  # .cpu() and .numpy(), every step
     assert any("nonfinite_guard.py" in where for where in data["where"]), data["where"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_step_value_logged_for_the_progress_bar_is_read_every_step_by_lightning(train, tmp_path):
+    # why model=gpt logs train/loss_step without prog_bar (the template's bar shows it, read at log steps): with
+    # prog_bar=True, as Lightning's docs show it, Lightning's own loop reads it on the host after every batch
+    data = reads(train, tmp_path, *GPT, "model._target_=host_reads.GPTLossOnBar")
+    per_step = outside_log_steps(data, "lightning")
+    assert len(per_step) >= 80, (per_step, data["where"])
+    assert any("apply_func.py" in where and "to_item" in where for where in data["where"]), data["where"]

@@ -185,8 +185,10 @@ class GPT(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.model_step(batch)
-        # this rank's batch, at log steps only (no sync per step); the epoch mean is synced once at epoch end
-        self.log("train/loss_step", loss.detach(), on_step=True, on_epoch=False, prog_bar=True)
+        # this rank's batch, written at log steps only; no prog_bar: Lightning would read a prog_bar value on the host
+        # after every batch (a GPU sync per step). The template's progress bar shows it, read at log steps
+        # (conf/callbacks/rich_progress_bar.yaml step_metrics). The epoch mean is synced once at epoch end.
+        self.log("train/loss_step", loss.detach(), on_step=True, on_epoch=False)
         self.train_loss.update(loss.detach())
         return loss
 
