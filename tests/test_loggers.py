@@ -191,7 +191,7 @@ def test_a_missing_package_is_one_line_naming_the_choice_and_the_extra(train, tm
 @needs_mlflow
 @needs_wandb
 def test_a_bad_option_is_a_config_error_naming_it(kind, kwargs, message, tmp_path, monkeypatch):
-    from lit_template.utils import loggers
+    from lit_template import loggers
 
     for name in ("WANDB_MODE", "WANDB_ERROR_REPORTING", "MLFLOW_DISABLE_TELEMETRY", "MLFLOW_ALLOW_FILE_STORE"):
         monkeypatch.delenv(name, raising=False)  # restored after the test, whatever the logger sets
@@ -205,7 +205,7 @@ def test_a_bad_option_is_a_config_error_naming_it(kind, kwargs, message, tmp_pat
 
 
 def test_the_package_check_names_the_choice(monkeypatch):
-    from lit_template.utils import loggers
+    from lit_template import loggers
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
     with pytest.raises(ConfigError, match=r'^logger=wandb needs the `wandb` package.*pip install -e "\.\[loggers\]"$'):
@@ -216,7 +216,7 @@ def test_the_package_check_names_the_choice(monkeypatch):
 @needs_mlflow
 @needs_wandb
 def test_a_resumed_training_points_each_logger_at_the_checkpoints_run(tmp_path, monkeypatch):
-    from lit_template.utils import loggers
+    from lit_template import loggers
 
     for name in ("WANDB_MODE", "WANDB_ERROR_REPORTING", "MLFLOW_DISABLE_TELEMETRY"):
         monkeypatch.delenv(name, raising=False)

@@ -16,8 +16,8 @@ from lit_template.distributed.comm import check_comm_config
 from lit_template.distributed.env import apply_env, check_launch_env
 from lit_template.distributed.launch import prepare_job_for_ddp_children
 from lit_template.errors import ConfigError
+from lit_template.loggers import continue_runs
 from lit_template.utils import RankedLogger, instantiate_callbacks, instantiate_loggers, task_wrapper
-from lit_template.utils.loggers import continue_runs
 from lit_template.utils.rich_utils import print_config_tree
 
 log = RankedLogger(__name__, rank_zero_only=True)

@@ -18,7 +18,6 @@ import math
 import time
 from array import array
 from collections.abc import Callable, Mapping
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,9 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lit_template.diagnostics.profiling.render import plot_profile, render_markdown
-from lit_template.diagnostics.profiling.report import RunInfo, build_report, json_ready, num
+from lit_template.diagnostics.profiling.flops import FlopMeter
+from lit_template.diagnostics.profiling.render import console_summary, plot_profile, write_profile
+from lit_template.diagnostics.profiling.report import RunInfo, build_report, json_ready
 from lit_template.diagnostics.profiling.stats import (
     GlobalWindow,
     MemoryStats,
@@ -37,21 +37,25 @@ from lit_template.diagnostics.profiling.stats import (
     find_straggler,
 )
 from lit_template.diagnostics.profiling.timer import CpuClock, CudaClock, StepTimer
-from lit_template.diagnostics.profiling.traces import MemorySnapshotConfig, MemorySnapshots, TraceConfig, TraceRecorder
-from lit_template.diagnostics.report import append_jsonl, reports_dir, run_dir, say, write_json
+from lit_template.diagnostics.profiling.traces import (
+    MemorySnapshotConfig,
+    MemorySnapshots,
+    TraceConfig,
+    TraceRecorder,
+    options,
+)
+from lit_template.diagnostics.profiling.windows import (
+    MemoryAlarms,
+    straggler_record,
+    straggler_sentence,
+    window_metrics,
+)
+from lit_template.diagnostics.report import append_jsonl, reports_dir, run_dir, say
+from lit_template.distributed.shards import same_batch_ranks
 from lit_template.errors import ConfigError
-from lit_template.lightning_compat import compute_dtype, hook_fetch
+from lit_template.lightning_compat import compute_dtype
 
 OPTION = "callbacks.profiling"
-
-
-def _options(cls: type, name: str, given: Mapping[str, Any] | None) -> Any:
-    given = dict(given or {})
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(given) - known)
-    if unknown:
-        raise ConfigError(f"{OPTION}.{name}.{unknown[0]} is not an option; the options are: {', '.join(sorted(known))}")
-    return cls(**given)
 
 
 class ProfilingCallback(L.Callback):
@@ -88,16 +92,10 @@ class ProfilingCallback(L.Callback):
             )
         if peak_flops is not None and not peak_flops > 0:
             raise ConfigError(f"{OPTION}.peak_flops must be a positive FLOP/s per device (or null), got {peak_flops}")
-        self.trace = _options(TraceConfig, "trace", trace)
-        self.memory_snapshot = _options(MemorySnapshotConfig, "memory_snapshot", memory_snapshot)
-        t = self.trace
-        for name in ("skip_first", "wait", "warmup", "repeat"):
-            if getattr(t, name) < 0:
-                raise ConfigError(f"{OPTION}.trace.{name} must be >= 0, got {getattr(t, name)}")
-        if t.active < 1:
-            raise ConfigError(f"{OPTION}.trace.active must be >= 1, got {t.active}")
+        self.trace = options(TraceConfig, "trace", trace)
+        self.memory_snapshot = options(MemorySnapshotConfig, "memory_snapshot", memory_snapshot)
         self.log_every_n_steps = log_every_n_steps
-        self.peak_flops_override = float(peak_flops) if peak_flops is not None else None
+        self.peak_flops = float(peak_flops) if peak_flops is not None else None
         self.mfu = mfu
         self.straggler_warn_pct = straggler_warn_pct
         self.plot = plot
@@ -112,13 +110,8 @@ class ProfilingCallback(L.Callback):
         self._global_rank = 0
         self._last_global_step = 0
         self._last_emit_window = 0
-        self._peak_flops: float | None = None
-        self._flops_per_sample: float | None = None
-        self._flops_from = "counter"  # or "model": the LightningModule's flops_per_token() formula
-        self._flop_counter: Any | None = None
+        self._flops = FlopMeter(self.mfu, self.peak_flops, self._say_rank_zero)
         self._replicas = 1
-        self._flop_samples = 0
-        self._untimed_step = False
         self._traces: TraceRecorder | None = None
         self._snapshots = MemorySnapshots(self.memory_snapshot)
         self._windows: list[GlobalWindow] = []  # rank zero: every rank's row at every log step
@@ -126,11 +119,8 @@ class ProfilingCallback(L.Callback):
         self._own_step_ms = array("d")
         self._own_wait_ms = array("d")
         self._reported = False
-        self._retries_seen = 0.0
-        self._ooms_seen = 0.0
+        self._memory_alarms = MemoryAlarms()
         self._trainer: L.Trainer | None = None
-        self._hooks: list[Any] = []
-        self._unhook_fetch_fn: Callable[[], None] | None = None
         self._process: Any = None
 
     # -- setup --------------------------------------------------------------------------------------------------------
@@ -153,30 +143,13 @@ class ProfilingCallback(L.Callback):
         import psutil
 
         self._process = psutil.Process()
-        self._peak_flops = self._find_peak_flops(trainer) if self.mfu else None
-
-    def _find_peak_flops(self, trainer: L.Trainer) -> float | None:
-        if self.peak_flops_override is not None:
-            return self.peak_flops_override
-        if self._device.type != "cuda":  # no table for CPUs: MFU is absent rather than a made-up number
-            return None
-        from lightning.fabric.utilities.throughput import get_available_flops
-
-        dtype = compute_dtype(trainer)
-        peak = get_available_flops(self._device, dtype)
-        if peak is None:
-            self._say_rank_zero(
-                f"profiling: MFU is not reported: Lightning has no peak FLOP/s for "
-                f"{torch.cuda.get_device_name(self._device)!r} in {dtype}; set {OPTION}.peak_flops"
-            )
-        return float(peak) if peak else None
+        self._flops.find_peak(self._device, compute_dtype(trainer), OPTION)
 
     # -- the loop -----------------------------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._last_global_step = trainer.global_step
         self._last_emit_window = trainer.global_step // self._every
-        self._hook_forward(trainer)
-        self._hook_fetch(trainer)
+        self._timer.attach(trainer)
         if self.trace.enabled:
             self._traces = TraceRecorder(self.trace, self._device, self._trace_path)
         if self.memory_snapshot.enabled:
@@ -192,19 +165,7 @@ class ProfilingCallback(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        formula = getattr(pl_module, "flops_per_token", None)
-        if self._peak_flops and self._flops_per_sample is None and callable(formula):
-            # the model states its FLOPs per token (a formula, e.g. 6N + attention): no counting, no untimed step
-            samples, tokens = batch_counts(batch)
-            self._flops_per_sample = float(formula()) * tokens / max(samples, 1)
-            self._flops_from = "model"
-        if self._peak_flops and self._flops_per_sample is None and self._flop_counter is None:
-            from torch.utils.flop_counter import FlopCounterMode
-
-            # Count this one real batch's forward and backward, rather than run the model again on the side.
-            self._flop_counter = FlopCounterMode(display=False)
-            self._flop_counter.__enter__()
-            self._flop_samples = batch_counts(batch)[0]
+        self._flops.batch_start(pl_module, batch)
         self._timer.batch_start()
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
@@ -212,22 +173,21 @@ class ProfilingCallback(L.Callback):
             self._timer.before_backward()
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        self._stop_flop_counter()
+        self._flops.stop()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._flop_counter is not None:
-            self._stop_flop_counter()
+        self._flops.stop()
         step = trainer.global_step
         stepped = step != self._last_global_step
         self._last_global_step = step
         samples, tokens = batch_counts(batch)
         # The step whose FLOPs were counted ran slower under the counter: it is not timed.
-        self._timer.batch_end(samples, tokens, stepped, step, keep=not self._untimed_step)
+        self._timer.batch_end(samples, tokens, stepped, step, keep=not self._flops.untimed_step)
         if not stepped:
             return
-        self._untimed_step = False
+        self._flops.untimed_step = False
         if self._traces is not None:
             self._traces.step()
         snap = self.memory_snapshot
@@ -242,8 +202,7 @@ class ProfilingCallback(L.Callback):
         if trainer.global_step > self._last_emit_window * self._every:
             self._last_emit_window = math.ceil(trainer.global_step / self._every)
             self._emit(trainer)
-        self._unhook_forward()
-        self._unhook_fetch()
+        self._timer.detach()
         self._stop_trace()
         if self.memory_snapshot.enabled:
             self._snapshots.dump(self._snapshot_path())
@@ -254,9 +213,9 @@ class ProfilingCallback(L.Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         # No collectives here: the other ranks may be gone. Keep what this rank has.
-        self._stop_flop_counter()
-        self._unhook_forward()
-        self._unhook_fetch()
+        self._flops.stop()
+        if self._timer is not None:
+            self._timer.detach()
         self._stop_trace()
         if self.memory_snapshot.enabled and isinstance(exception, torch.OutOfMemoryError):
             self._snapshots.dump(self._snapshot_path(), again=True)
@@ -268,45 +227,6 @@ class ProfilingCallback(L.Callback):
                 say(f"profiling: no partial report after the failure ({type(err).__name__}: {err})")
 
     # -- measuring ----------------------------------------------------------------------------------------------------
-    def _hook_forward(self, trainer: L.Trainer) -> None:
-        """Under DDP, mark the wrapped model's forward and its inner module's: in between, DDP broadcasts buffers,
-        where a fast rank waits for a slow one before the gradient sync. That wait is not the rank's own time."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = trainer.strategy.model
-        if isinstance(model, DistributedDataParallel):
-            self._hooks = [
-                model.register_forward_pre_hook(lambda *_: self._timer.forward_enter()),
-                model.module.register_forward_pre_hook(lambda *_: self._timer.forward_synced()),
-            ]
-
-    def _hook_fetch(self, trainer: L.Trainer) -> None:
-        """Time the training loop's fetch of each batch: that, not the whole gap between two batches (other
-        callbacks' hooks, logging), is the data wait (DATA_WAIT). Without the loop's fetch marks the timer counts
-        the whole gap as data wait (StepTimer._resolve)."""
-        self._unhook_fetch_fn = hook_fetch(trainer, self._timer.fetch_start, self._timer.fetch_end)
-
-    def _unhook_fetch(self) -> None:
-        if self._unhook_fetch_fn is not None:
-            self._unhook_fetch_fn()
-            self._unhook_fetch_fn = None
-
-    def _unhook_forward(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-
-    def _stop_flop_counter(self) -> None:
-        if self._flop_counter is None:
-            return
-        counter, self._flop_counter = self._flop_counter, None
-        self._untimed_step = True
-        counter.__exit__(None, None, None)
-        total = counter.get_total_flops()
-        self._flops_per_sample = total / max(self._flop_samples, 1) if total else 0.0
-        if not total:
-            self._say_rank_zero("profiling: MFU is not reported: the FLOP counter saw no matmuls or convolutions")
-
     def _emit(self, trainer: L.Trainer) -> None:
         records = self._timer.take()
         for r in records:
@@ -329,8 +249,8 @@ class ProfilingCallback(L.Callback):
                     trainer.global_step,
                     ranks,
                     straggler,
-                    self._flops_per_sample or None,
-                    self._peak_flops,
+                    self._flops.flops_per_sample or None,
+                    self._flops.peak_flops,
                     self._replicas,
                 ),
             )
@@ -338,78 +258,17 @@ class ProfilingCallback(L.Callback):
     def _on_window(self, trainer: L.Trainer, window: GlobalWindow) -> None:
         """Rank zero: keep the window, log its figures, say what needs saying."""
         self._windows.append(window)
-        own = next(r for r in window.ranks if r.global_rank == self._global_rank)
-        w = own.window
-        if w.steps == 0:
+        metrics = window_metrics(window, self._global_rank, self._replicas)
+        if not metrics:
             return
-        metrics = {
-            "perf/step_time_ms_p50": w.step_time_s_p50 * 1e3,
-            "perf/step_time_ms_p90": w.step_time_s_p90 * 1e3,
-            "perf/step_time_ms_max": w.step_time_s_max * 1e3,
-            "perf/data_wait_ms": w.data_wait_s / w.steps * 1e3,
-            "perf/data_wait_pct": w.data_wait_pct,
-            "perf/samples_per_s": w.samples_per_s / self._replicas,
-            "perf/samples_per_s_global": window.samples_per_s_global,
-        }
-        if window.tokens:
-            # per device: this rank's share of the distinct tokens (tensor-parallel peers share their batch)
-            metrics["perf/tokens_per_s"] = w.tokens_per_s / self._replicas
-            metrics["perf/tokens_per_s_global"] = window.tokens_per_s_global
-        if window.mfu_pct is not None:
-            metrics["perf/mfu_pct"] = window.mfu_pct
-        for name in ("rss_gib", "max_allocated_gib", "max_reserved_gib"):
-            values = [getattr(r.memory, name) for r in window.ranks if not math.isnan(getattr(r.memory, name))]
-            if values:
-                metrics[f"perf/{name}_min"], metrics[f"perf/{name}_max"] = min(values), max(values)
-        for name in ("alloc_retries", "ooms"):
-            values = [getattr(r.memory, name) for r in window.ranks if not math.isnan(getattr(r.memory, name))]
-            if values:
-                metrics[f"perf/{name}"] = sum(values)
-        s = window.straggler
-        if s is not None:
-            metrics["perf/straggler_global_rank"] = float(s.global_rank)
-            metrics["perf/straggler_lag_ms"] = s.lag_s * 1e3
-            self._report_straggler(trainer, window)
+        if window.straggler is not None:
+            append_jsonl(reports_dir(trainer) / "stragglers.jsonl", straggler_record(window, self._world_size))
+            if window.straggler.lag_pct >= self.straggler_warn_pct:
+                say(straggler_sentence(window))
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
-        self._say_memory_problems(window)
-
-    def _report_straggler(self, trainer: L.Trainer, window: GlobalWindow) -> None:
-        s = window.straggler
-        record = {
-            "kind": "straggler",
-            "global_step": window.step,
-            "ranks": [s.global_rank],
-            "world_size": self._world_size,
-            "slowest_global_rank": s.global_rank,
-            "lag_ms": s.lag_s * 1e3,
-            "lag_pct": s.lag_pct,
-            "wait_for_slowest_ms_mean": s.wait_for_slowest_s_mean * 1e3,
-            "pre_sync_ms_mean": {str(r.global_rank): r.window.pre_sync_s_mean * 1e3 for r in window.ranks},
-            "step_time_ms_p50": {str(r.global_rank): r.window.step_time_s_p50 * 1e3 for r in window.ranks},
-        }
-        append_jsonl(reports_dir(trainer) / "stragglers.jsonl", record)
-        if s.lag_pct >= self.straggler_warn_pct:
-            say(
-                f"straggler: global rank {s.global_rank} was the slowest rank up to step {window.step}: it reached the "
-                f"gradient sync {s.lag_s * 1e3:.1f} ms ({s.lag_pct:.0f}% of a step) after the median of the other "
-                f"ranks, who waited for it."
-            )
-
-    def _say_memory_problems(self, window: GlobalWindow) -> None:
-        retries = sum(r.memory.alloc_retries for r in window.ranks if not math.isnan(r.memory.alloc_retries))
-        ooms = sum(r.memory.ooms for r in window.ranks if not math.isnan(r.memory.ooms))
-        if retries > self._retries_seen:
-            say(
-                f"memory: {retries - self._retries_seen:.0f} CUDA allocation retries (cache flushes) up to step "
-                f"{window.step}, summed over ranks: memory is near its limit or fragmented."
-            )
-        if ooms > self._ooms_seen:
-            say(
-                f"memory: {ooms - self._ooms_seen:.0f} CUDA out-of-memory errors up to step {window.step}, summed over "
-                f"ranks."
-            )
-        self._retries_seen, self._ooms_seen = max(retries, self._retries_seen), max(ooms, self._ooms_seen)
+        for sentence in self._memory_alarms.sentences(window):
+            say(sentence)
 
     # -- traces -------------------------------------------------------------------------------------------------------
     def _trace_path(self, prof_step: int) -> Path:
@@ -435,29 +294,11 @@ class ProfilingCallback(L.Callback):
             return
         self._reported = True
         report = self._build_report(trainer, complete)
-        out = reports_dir(trainer)
-        files = {"json": str(out / "profile.json"), "markdown": str(out / "profile.md")}
-        if self.plot:
-            try:
-                plot_profile(out / "profile.png", self._own_steps, self._own_step_ms, self._windows)
-                files["plot"] = str(out / "profile.png")
-            except Exception as err:  # noqa: BLE001  (a broken matplotlib install must not fail a finished run)
-                say(f"profiling: the plot was not drawn ({type(err).__name__}: {err})")
-        report["files"] = files
-        write_json(out / "profile.json", report)
-        (out / "profile.md").write_text(render_markdown(report))
-        st, th = report["step_time_ms"], report["throughput"]
-        mfu = f", MFU {num(report['mfu']['mfu_pct'], '.1f')}%" if "mfu" in report else ""
-        # A run that failed before its first measured step has no numbers: say so, never fail on formatting them.
-        say(
-            f"profile up to global step {trainer.global_step} (global rank {trainer.global_rank} reporting): "
-            f"{report['steps_measured']} steps measured, step time p50 {num(st['p50'], '.2f')} ms (p90 "
-            f"{num(st['p90'], '.2f')}, max {num(st['max'], '.2f')}), data wait "
-            f"{num(report['data_wait']['pct'], '.1f')}%, "
-            f"{num(th['samples_per_s_global'], '.0f')} samples/s over {self._world_size} rank(s){mfu}; report in "
-            f"{out / 'profile.md'}",
-            level=logging.INFO,
-        )
+        markdown = write_profile(reports_dir(trainer), report, self._plot if self.plot else None)
+        say(console_summary(report, self._global_rank, self._world_size, markdown), level=logging.INFO)
+
+    def _plot(self, path: Path) -> None:
+        plot_profile(path, self._own_steps, self._own_step_ms, self._windows)
 
     def _build_report(self, trainer: L.Trainer, complete: bool) -> dict[str, Any]:
         info = RunInfo(
@@ -468,8 +309,8 @@ class ProfilingCallback(L.Callback):
             device=str(self._device.type if self._device.type != "cuda" else torch.cuda.get_device_name(self._device)),
             log_every_n_steps=self._every,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
-            flops_from=self._flops_from,
-            peak_from="config" if self.peak_flops_override is not None else "lightning",
+            flops_from=self._flops.flops_from,
+            peak_from=self._flops.peak_from,
         )
         report = build_report(info, self._windows, self._own_step_ms, self._own_wait_ms)
         if "stragglers" in report:
@@ -481,12 +322,3 @@ class ProfilingCallback(L.Callback):
         if self._snapshots.files:
             report["memory_snapshots"] = sorted(Path(p).name for p in self._snapshots.files)
         return json_ready(report)
-
-
-def same_batch_ranks(strategy: Any) -> int:
-    """How many ranks train on each batch: the tensor-parallel size under ModelParallelStrategy, else 1."""
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    if isinstance(strategy, ModelParallelStrategy):
-        return int(strategy.device_mesh["tensor_parallel"].size())
-    return 1

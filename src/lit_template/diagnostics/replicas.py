@@ -100,3 +100,67 @@ def compare(values: Sequence, exact: bool, rtol: float, keys: Sequence | None = 
 def has_peers(keys: Sequence) -> bool:
     """Whether at least two ranks hold the same shard (see :func:`compare`)."""
     return len(set(keys)) < len(keys)
+
+
+# kinds that mean the replicas train different models; the others are warnings and never raise or stop
+SEVERE = ("grad_mismatch", "param_mismatch")
+METRICS = {
+    "grad_mismatch": "sync/grad_mismatches",
+    "param_mismatch": "sync/param_mismatches",
+    "buffer_mismatch": "sync/buffer_mismatches",
+    "no_local_grad": "sync/no_local_grad_params",
+}
+
+
+class Tally:
+    """What the sync check found: totals over the run (kept in checkpoints) and the current step's (``sync/*``)."""
+
+    def __init__(self) -> None:
+        self.checks = 0
+        self.findings = {kind: 0 for kind in WHAT}  # checks that found each kind
+        # tensors compared so far, per kind (a check that never ran shows 0 here, not a clean bill)
+        self.tensors_checked = {kind: 0 for kind in WHAT}
+        self.said: set[str] = set()  # findings already said on the console
+        self.step_counts: dict[str, int] = {}
+        self.step_ms = 0.0
+
+    def add(self, checked: dict[str, int], findings: list[Finding]) -> list[Finding]:
+        """Counts one check (``checked``: tensors per kind); returns the findings not said before, to say now."""
+        self.checks += 1
+        for kind, n in checked.items():
+            self.tensors_checked[kind] += n
+        for kind in WHAT:
+            self.step_counts.setdefault(kind, 0)
+        new = []
+        for finding in findings:
+            self.step_counts[finding.kind] += finding.num_tensors
+            self.findings[finding.kind] += 1
+            signature = f"{finding.kind}:{[(t.name, t.ranks) for t in finding.tensors]}"
+            if signature not in self.said:  # one sentence per distinct finding; repeats go to the file and metrics
+                self.said.add(signature)
+                new.append(finding)
+        return new
+
+    def take_step(self) -> dict[str, float]:
+        """The current step's ``sync/*`` metrics (tensors found per kind, ``sync/check_ms``); starts the next step."""
+        metrics = {METRICS[k]: float(v) for k, v in self.step_counts.items()}
+        metrics["sync/check_ms"] = self.step_ms
+        self.step_counts, self.step_ms = {}, 0.0
+        return metrics
+
+    def stopped(self, on_mismatch: str) -> bool:
+        return on_mismatch == "stop" and any(self.findings[k] for k in SEVERE)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "checks": self.checks,
+            "findings": dict(self.findings),
+            "said": sorted(self.said),
+            "tensors_checked": dict(self.tensors_checked),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.checks = state.get("checks", 0)
+        self.findings.update(state.get("findings", {}))
+        self.tensors_checked.update(state.get("tensors_checked", {}))
+        self.said = set(state.get("said", []))

@@ -40,3 +40,12 @@ def replica_key(tensor: torch.Tensor | None) -> int:
         key += coordinate[dim] * stride
         stride *= tensor.device_mesh.size(dim)
     return 1 + key
+
+
+def same_batch_ranks(strategy: object) -> int:
+    """How many ranks train on each batch: the tensor-parallel size under ModelParallelStrategy, else 1."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if isinstance(strategy, ModelParallelStrategy):
+        return int(strategy.device_mesh["tensor_parallel"].size())
+    return 1

@@ -161,7 +161,7 @@ def _install_child_rank_watch(run_dir: Path | None) -> None:
 
 def _close_loggers(status: str) -> None:
     # every job ends its logger runs (MLflow, W&B): the next job of a multirun gets runs of its own
-    from lit_template.utils.loggers import close_loggers
+    from lit_template.loggers import close_loggers
 
     close_loggers(status)
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
+from lit_template.diagnostics.profiling.report import num
 from lit_template.diagnostics.profiling.stats import GlobalWindow
 from lit_template.diagnostics.profiling.timer import DATA_WAIT
+from lit_template.diagnostics.report import say, write_json
 
 
 # -- report rendering ------------------------------------------------------------------------------------------------
@@ -17,6 +20,36 @@ def _fmt(value: Any, digits: int = 3) -> str:
     if isinstance(value, float):
         return f"{value:.{digits}g}" if abs(value) < 1e3 else f"{value:,.0f}"
     return str(value)
+
+
+def write_profile(out: Path, report: dict[str, Any], plot: Callable[[Path], None] | None) -> Path:
+    """Writes ``profile.json``, ``profile.md`` and (``plot`` given) ``profile.png`` under ``out``; returns the
+    Markdown's path. The file names go into the report's ``files``."""
+    files = {"json": str(out / "profile.json"), "markdown": str(out / "profile.md")}
+    if plot is not None:
+        try:
+            plot(out / "profile.png")
+            files["plot"] = str(out / "profile.png")
+        except Exception as err:  # noqa: BLE001  (a broken matplotlib install must not fail a finished run)
+            say(f"profiling: the plot was not drawn ({type(err).__name__}: {err})")
+    report["files"] = files
+    write_json(out / "profile.json", report)
+    (out / "profile.md").write_text(render_markdown(report))
+    return out / "profile.md"
+
+
+def console_summary(report: dict[str, Any], global_rank: int, world_size: int, markdown: Any) -> str:
+    """The report's one sentence on the console. A run that failed before its first measured step has no numbers:
+    they print as "nan"/"-", never fail on formatting."""
+    st, th = report["step_time_ms"], report["throughput"]
+    mfu = f", MFU {num(report['mfu']['mfu_pct'], '.1f')}%" if "mfu" in report else ""
+    return (
+        f"profile up to global step {report['global_step']} (global rank {global_rank} reporting): "
+        f"{report['steps_measured']} steps measured, step time p50 {num(st['p50'], '.2f')} ms (p90 "
+        f"{num(st['p90'], '.2f')}, max {num(st['max'], '.2f')}), data wait "
+        f"{num(report['data_wait']['pct'], '.1f')}%, "
+        f"{num(th['samples_per_s_global'], '.0f')} samples/s over {world_size} rank(s){mfu}; report in {markdown}"
+    )
 
 
 def render_markdown(report: dict[str, Any]) -> str:

@@ -123,6 +123,8 @@ class StepTimer:
         self._fetch_s: float | None = None
         self._fetch_from: float | None = None
         self._epoch_start_host: float | None = None
+        self._handles: list[Any] = []  # attach: forward hooks on the DDP model
+        self._unhook_fetch: Callable[[], None] | None = None
 
     def resume(self) -> None:
         """Epoch start: the wait for the first batch (iterator and workers starting) counts as data wait."""
@@ -182,6 +184,35 @@ class StepTimer:
             if keep:
                 self._pending.append(_PendingStep(step, self._micro, self._samples, self._tokens))
             self._micro, self._samples, self._tokens = [], 0, 0
+
+    def attach(self, trainer: Any) -> None:
+        """Marks from the loop itself, removed again by ``detach``.
+
+        The training loop's fetch of each batch: that, not the whole gap between two batches (other callbacks'
+        hooks, logging), is the data wait (DATA_WAIT); without these marks the whole gap counts (``_resolve``).
+        Under DDP, the wrapped model's forward and its inner module's: in between, DDP broadcasts buffers, where a
+        fast rank waits for a slow one before the gradient sync. That wait is not the rank's own time.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        from lit_template.lightning_compat import hook_fetch
+
+        self.detach()
+        model = trainer.strategy.model
+        if isinstance(model, DistributedDataParallel):
+            self._handles = [
+                model.register_forward_pre_hook(lambda *_: self.forward_enter()),
+                model.module.register_forward_pre_hook(lambda *_: self.forward_synced()),
+            ]
+        self._unhook_fetch = hook_fetch(trainer, self.fetch_start, self.fetch_end)
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._unhook_fetch is not None:
+            self._unhook_fetch()
+        self._unhook_fetch = None
 
     def take(self) -> list[StepRecord]:
         """The steps completed since the last call, resolved (one wait on the device when the clock is CUDA)."""

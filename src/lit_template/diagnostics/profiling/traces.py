@@ -3,13 +3,15 @@ rank under ``<run dir>/traces/``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lit_template.distributed.preemption import StepVote
+from lit_template.errors import ConfigError
 from lit_template.lightning_compat import dump_memory_snapshot, record_memory_history
 
 
@@ -28,6 +30,13 @@ class TraceConfig:
     profile_memory: bool = False
     with_stack: bool = False
 
+    def __post_init__(self) -> None:
+        for name in ("skip_first", "wait", "warmup", "repeat"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"callbacks.profiling.trace.{name} must be >= 0, got {getattr(self, name)}")
+        if self.active < 1:
+            raise ConfigError(f"callbacks.profiling.trace.active must be >= 1, got {self.active}")
+
 
 @dataclass(frozen=True)
 class MemorySnapshotConfig:
@@ -36,6 +45,18 @@ class MemorySnapshotConfig:
     enabled: bool = False
     max_entries: int = 100_000
     at_step: int | None = None
+
+
+def options(cls: type, name: str, given: Mapping[str, Any] | None) -> Any:
+    """``cls(**given)``, or a ConfigError naming ``callbacks.profiling.<name>.<key>`` for a key it does not have."""
+    given = dict(given or {})
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ConfigError(
+            f"callbacks.profiling.{name}.{unknown[0]} is not an option; the options are: {', '.join(sorted(known))}"
+        )
+    return cls(**given)
 
 
 class TraceRecorder:
