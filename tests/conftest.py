@@ -53,11 +53,11 @@ def kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_command(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``cmd`` from the repo root in its own process group: on a timeout every process it started (DDP ranks,
-    sweep jobs) is killed with it, and the test fails."""
+def run_command(cmd: list[str], env: dict, timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run ``cmd`` from the repo root (or ``cwd``) in its own process group: on a timeout every process it started
+    (DDP ranks, sweep jobs) is killed with it, and the test fails."""
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -69,15 +69,28 @@ def run_command(cmd: list[str], env: dict, timeout: float) -> subprocess.Complet
 
 
 def run_script(
-    script: str, *overrides: str, log_dir: Path, timeout: float = 180, env: dict | None = None, check: bool = True
+    script: str,
+    *overrides: str,
+    log_dir: Path,
+    timeout: float = 180,
+    env: dict | None = None,
+    check: bool = True,
+    launch_dir: Path | None = None,
 ) -> Run:
-    """``python <script> <overrides>`` from the repo root, writing below ``log_dir``; a hang fails at ``timeout``."""
-    cmd = [sys.executable, str(ROOT / script), *overrides, f"paths.log_dir={log_dir}"]
+    """``python <script> <overrides>`` from the repo root, writing below ``log_dir``; a hang fails at ``timeout``.
+
+    ``launch_dir``: run from that folder with the shipped paths instead (no ``paths.log_dir`` given: its ``logs/``).
+    """
+    cmd = [sys.executable, str(ROOT / script), *overrides]
+    if launch_dir is None:
+        cmd.append(f"paths.log_dir={log_dir}")
+    else:
+        log_dir = launch_dir / "logs"
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "200", **(env or {})}
     for key in ("LT_RUN_ID", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
         if env is None or key not in env:
             full_env.pop(key, None)
-    proc = run_command(cmd, full_env, timeout)
+    proc = run_command(cmd, full_env, timeout, cwd=launch_dir or ROOT)
     run = Run(proc.returncode, proc.stdout, proc.stderr, log_dir)
     if check and proc.returncode != 0:
         pytest.fail(

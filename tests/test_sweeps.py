@@ -116,6 +116,21 @@ def test_optuna_sweep_returns_the_best_value(train):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_optuna_sweep_with_the_shipped_paths(train, tmp_path):
+    # The sweeper resolves hydra.sweep.dir (below paths.log_dir, below the launch folder) before Hydra has set its
+    # config: with ${hydra:runtime.cwd} there this failed ("HydraConfig was not set") unless paths.log_dir was given.
+    # With and without -m (conf/hparams_search/optuna.yaml sets hydra.mode=MULTIRUN).
+    for flags in (["-m"], []):
+        launch = tmp_path / f"launch{len(flags)}"
+        launch.mkdir()
+        run = train(*flags, "hparams_search=optuna", "hydra.sweeper.n_trials=1", *TINY, launch_dir=launch, timeout=140)
+        root = sweep_dir(run)
+        assert root.parent == launch / "logs" / "train" / "multiruns"
+        assert yaml.safe_load((root / "optimization_results.yaml").read_text())["best_value"] > 0
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_optuna_counts_a_failed_trial_as_failed_and_goes_on(train):
     # The shipped search (TPE: its first trials sample at random) with lr narrowed to two values; the test callback

@@ -21,6 +21,18 @@ def run_id() -> str:
     return os.environ.get("LT_RUN_ID") or _START
 
 
+def launch_dir() -> str:
+    """The folder the run was launched from: Hydra's ``runtime.cwd``, or the current directory before Hydra has set
+    its config. A sweeper resolves ``hydra.sweep.dir`` (below ``paths.log_dir``) then: hydra-optuna-sweeper 1.3 does
+    in ``setup``, where ``${hydra:runtime.cwd}`` raises "HydraConfig was not set" (hydra-core 1.3.8). Hydra does not
+    change the working directory of a job (``hydra.job.chdir`` is false), so both name the same folder."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return str(HydraConfig.get().runtime.cwd)
+    return os.getcwd()
+
+
 def launched_rank() -> int:
     """The global rank the launcher gave this process (0 when started alone)."""
     for key in ("RANK", "SLURM_PROCID"):
@@ -64,6 +76,7 @@ def register() -> None:
     if not OmegaConf.has_resolver("lt.run_id"):
         OmegaConf.register_new_resolver("lt.run_id", run_id)
         OmegaConf.register_new_resolver("lt.rank_zero", rank_zero_value)
+        OmegaConf.register_new_resolver("lt.launch_dir", launch_dir)
         OmegaConf.register_new_resolver("lt.num_nodes", num_nodes)
         OmegaConf.register_new_resolver("lt.devices_per_node", launched_devices_per_node)
         OmegaConf.register_new_resolver("lt.gpus_per_node", gpus_per_node)
