@@ -1,5 +1,8 @@
 """Evaluate a checkpoint on the test set: ``python eval.py ckpt_path=/path/to/file.ckpt``."""
 
+import sys
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig
 
@@ -14,4 +17,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
 
 
 if __name__ == "__main__":
+    from lit_template.utils.cli import check_command_line
+
+    check_command_line(sys.argv[1:], Path(__file__).parent / "conf")
     main()

@@ -3,6 +3,9 @@
 The predictions go to ``<run dir>/predictions.csv``, one row per sample in dataset order (also under DDP).
 """
 
+import sys
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig
 
@@ -17,4 +20,7 @@ def main(cfg: DictConfig) -> dict:
 
 
 if __name__ == "__main__":
+    from lit_template.utils.cli import check_command_line
+
+    check_command_line(sys.argv[1:], Path(__file__).parent / "conf")
     main()

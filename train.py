@@ -1,5 +1,8 @@
 """Train a model: ``python train.py [overrides]``. See README.md and conf/train.yaml."""
 
+import sys
+from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig
 
@@ -14,4 +17,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    from lit_template.utils.cli import check_command_line
+
+    check_command_line(sys.argv[1:], Path(__file__).parent / "conf")
     main()

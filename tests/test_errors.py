@@ -78,3 +78,20 @@ def test_comm_option_without_ddp(train):
     run = train("trainer=cpu", "comm=powersgd", check=False, timeout=120)
     assert_clean_error(run, "comm=powersgd", "trainer=ddp_cpu")
     assert run.returncode == 2
+
+
+def test_config_group_set_to_null(train):
+    # Hydra's own answer is a traceback ("Config group override must be a string or a list. Got NoneType")
+    run = train("logger=null", check=False, timeout=60)
+    assert_clean_error(run, "error: logger=null: logger is a config group", "write ~logger")
+    assert run.returncode == 2
+    # a value inside a group may be null as before
+    run = train(
+        "callbacks.rich_progress_bar=null",
+        "trainer.max_epochs=1",
+        "trainer.limit_train_batches=2",
+        "trainer.limit_val_batches=1",
+        "test=false",
+        timeout=120,
+    )
+    assert run.returncode == 0
