@@ -41,6 +41,10 @@ bench:  ## the template versus a hand-written loop (1 process, then 2 over gloo)
 	$(PY) scripts/benchmark.py --batch-size 1024 --per-callback --lightning-costs --tty
 	$(PY) scripts/benchmark.py --batch-size 4096
 	$(PY) scripts/benchmark.py --batch-size 1024 --ddp
+	$(PY) scripts/bench_callbacks.py --batch-size 256 --cycles 16
+	$(PY) scripts/bench_callbacks.py --batch-size 1024 --cycles 16
+	$(PY) scripts/bench_callbacks.py --batch-size 4096 --cycles 6
+	$(PY) scripts/bench_callbacks.py --batch-size 1024 --cycles 8 --ddp
 	$(PY) scripts/bench_sync_check.py
 	OMP_NUM_THREADS=1 $(PY) scripts/bench_profiling.py
 	$(PY) scripts/bench_hang_doctor.py

@@ -1,8 +1,10 @@
 """Catch a NaN/Inf loss or gradient on any rank, in the step it happens, on every rank at once.
 
-Each rank notes whether its loss (``on_before_backward``) and its gradients (``on_before_optimizer_step``, after
-DDP's all-reduce) are finite. Then every rank, at every optimizer step, all-gathers one tiny flags tensor, so all
-ranks see the same picture and take the same decision: none waits in a collective the others skipped.
+Each rank keeps its micro-batches' losses (``on_before_backward``) and the sum of each gradient
+(``on_before_optimizer_step``, after DDP's all-reduce; a NaN/Inf anywhere makes the float64 sum non-finite). Then
+every rank, at every optimizer step, all-gathers that one small vector, so all ranks see the same picture and take
+the same decision: none waits in a collective the others skipped. With ``on_nonfinite=stop`` the vector is read on
+the host one step later (no host sync per step): every rank stops at that same step, before its update.
 
 - ``on_nonfinite=stop``: every rank raises ``NonFiniteError`` naming the rank(s) and the step.
 - ``on_nonfinite=skip``: every rank drops its gradients, so ``optimizer.step()`` leaves the parameters (and Adam's
@@ -19,7 +21,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_template.diagnostics.report import append_jsonl, reports_dir, say
@@ -44,7 +48,7 @@ class NonFiniteEvent:
     tensor: str | None  # the first parameter whose gradient is not finite (what == "grad")
     loss: dict[str, float]  # rank -> its loss at that step
     action: str  # "stop" | "skip"
-    # on_nonfinite=stop: the step every rank stopped at, before its update (the flags are read one step later)
+    # on_nonfinite=stop: the step every rank stopped at, before its update (the values are read one step later)
     stopped_at: int | None = None
 
     def sentence(self) -> str:
@@ -63,21 +67,25 @@ class NonFiniteEvent:
 
 class PendingHostCopy:
     """One small device tensor copied to the host without waiting, read later: on a GPU the copy goes into pinned
-    memory behind a CUDA event, and reading it waits only for that copy (long done by the next step). Read through a
+    memory behind a CUDA event, and reading it waits only for that copy (long done by the next step). Or, on the CPU
+    under gloo, the rows of an all_gather still in flight (``put_gathering``), waited for when read. Read through a
     NumPy view made once, so the per-step read calls no tensor method (tests/test_host_sync.py counts those)."""
 
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None
         self._view: Any = None
         self._event: Any = None
-        self._step: int | None = None
+        self._tag: Any = None  # what put() was given with the pending copy; None: nothing pending
+        self._work: Any = None  # put_gathering: the async all_gather and the rows it fills
+        self._rows: list[torch.Tensor] = []
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         """The host buffer, made once before training (pinned when the tensors come from a GPU)."""
         self._host = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
         self._view = self._host.numpy()
 
-    def put(self, tensor: torch.Tensor, step: int) -> None:
+    def put(self, tensor: torch.Tensor, tag: Any) -> None:
+        """Copies ``tensor`` (to a new host buffer only if its shape or dtype changed); ``take`` gives ``tag`` back."""
         on_cuda = tensor.device.type == "cuda"
         if self._host is None or self._host.shape != tensor.shape or self._host.dtype != tensor.dtype:
             self.allocate(tuple(tensor.shape), tensor.dtype, tensor.device)
@@ -85,19 +93,29 @@ class PendingHostCopy:
         if on_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
-        self._step = step
+        self._tag = tag
 
-    def take(self) -> tuple[Any, int] | None:
-        """(the host values, the step they were put at), or None when nothing is pending."""
-        if self._step is None:
+    def put_gathering(self, rows: list[torch.Tensor], work: Any, tag: Any) -> None:
+        """An all_gather into ``rows`` (CPU tensors, one per rank) issued with ``async_op=True``: ``take`` waits."""
+        if self._host is None or self._host.shape != (len(rows), *rows[0].shape) or self._host.dtype != rows[0].dtype:
+            self.allocate((len(rows), *rows[0].shape), rows[0].dtype, rows[0].device)
+        self._rows, self._work, self._tag = rows, work, tag
+
+    def take(self) -> tuple[Any, Any] | None:
+        """(the host values, the tag they were put with), or None when nothing is pending."""
+        if self._tag is None:
             return None
         if self._event is not None:
             self._event.synchronize()
-        step, self._step, self._event = self._step, None, None
-        return self._view, step
+        if self._work is not None:
+            self._work.wait()
+            torch.stack(self._rows, out=self._host)
+        tag, self._tag, self._event, self._work, self._rows = self._tag, None, None, None, []
+        return self._view, tag
 
     def clear(self) -> None:
-        self._step, self._event = None, None
+        # a gather in flight is dropped, not waited for: after a failure the other ranks may never send
+        self._tag, self._event, self._work, self._rows = None, None, None, []
 
 
 class NonFiniteGuard(L.Callback):
@@ -121,51 +139,62 @@ class NonFiniteGuard(L.Callback):
     def _reset(self) -> None:
         self._losses: list[torch.Tensor] = []
 
-    # No host sync in the hot path (a `bool(tensor)` per check would stall a GPU every micro-batch): the flags are
-    # built on the device and read once per optimizer step, after the one all_gather.
+    # No host sync in the hot path (a `bool(tensor)` per check would stall a GPU every micro-batch): per step the
+    # device makes one small vector (each micro-batch's loss, each gradient's sum), every rank gathers it, and the
+    # host reads it one step later and decides there. Few device ops: on the CPU each small op costs microseconds.
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         # Called once per micro-batch: with gradient accumulation one bad micro-batch makes the step bad.
-        self._losses.append(loss.detach().float().sum())
+        # float64 now: one dtype makes the step's torch.stack several times cheaper than a mixed one
+        loss = loss.detach()
+        self._losses.append((loss if loss.dim() == 0 else loss.sum()).to(torch.float64))
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        device = pl_module.device
-        # device-side constants are filled on the device (torch.tensor(value, device=...) would be a host copy)
-        minus_one = torch.full((), -1.0, dtype=torch.float64, device=device)
-        if self._losses:
-            losses = torch.stack(self._losses).double()
-            loss_bad = ~torch.isfinite(losses)
-            # the first non-finite micro-batch loss, else the last one
-            loss_value = torch.where(loss_bad.any(), losses[loss_bad.double().argmax()], losses[-1])
-        else:
-            loss_bad, loss_value = torch.zeros(1, dtype=torch.bool, device=device), minus_one.new_zeros(())
-        grad_bad, first_bad = torch.zeros((), dtype=torch.bool, device=device), minus_one
-        grads = [p.grad for p in pl_module.parameters()] if self.check_grads else []
-        if any(g is not None for g in grads):
-            finite = torch.ones((), dtype=torch.bool, device=device)  # what a parameter without a gradient counts as
-            # one flag per parameter, in named_parameters() order: the first bad one's position is its index
-            # a DTensor gradient (model parallel): this rank's shard; any rank's bad shard shows in the gathered flags
-            bad = ~torch.stack([torch.isfinite(local_shard(g)).all() if g is not None else finite for g in grads])
-            grad_bad = bad.any()
-            first_bad = torch.where(grad_bad, bad.double().argmax(), minus_one)
-        local = torch.stack([loss_bad.any().double(), grad_bad.double(), first_bad.double(), loss_value])
+        parts, losses, params = self._losses, len(self._losses), []
         self._reset()
-        # every rank, every optimizer step, the same one collective
-        flags = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local
-        flags = flags.reshape(-1, 4)
-        if self.on_nonfinite == "skip":
-            # the step's own update must be dropped, so its flags are read now: one host sync per step
-            self._act(trainer, pl_module, optimizer, flags.cpu().numpy(), trainer.global_step)
+        if self.check_grads:
+            # A gradient holds a NaN/Inf exactly when its float64 sum is not finite (float64 does not overflow on
+            # float32/bf16 values). A DTensor gradient (model parallel): this rank's shard; a parameter without a
+            # gradient counts as finite. One value per parameter this optimizer steps: its param groups are a list
+            # (pl_module.parameters() walks every submodule, torchmetrics' hashing included: ~0.2 ms a step here)
+            params = _optimized(optimizer)
+            for p in params:
+                if p.grad is not None:
+                    parts.append(local_shard(p.grad).sum(dtype=torch.float64))
+                else:
+                    parts.append(torch.zeros((), dtype=torch.float64, device=pl_module.device))
+        if not parts:
             return
-        # stop: this step's flags are copied to the host without waiting and read at the next step (or at train end),
-        # so no step waits for the device; every rank reads the same gathered flags and stops at that same step
+        # [the micro-batches' losses..., the gradients' sums...], float64: the same length on every rank
+        local = torch.stack(parts)
+        # every rank, every optimizer step, the same one collective
+        layout = (losses, trainer.global_step, params)
+        if self.on_nonfinite == "stop" and trainer.world_size > 1 and local.device.type == "cpu":
+            # gloo blocks the host for the whole all_gather (about 1 ms a step on 2 CPU processes here): issued
+            # asynchronously, it runs behind the next step and is waited for when read, one step later
+            self._read_pending(trainer, pl_module, optimizer)
+            rows = [torch.empty_like(local) for _ in range(trainer.world_size)]
+            self._pending.put_gathering(rows, dist.all_gather(rows, local, async_op=True), layout)
+            return
+        values = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local
+        values = values.reshape(trainer.world_size, -1)
+        if self.on_nonfinite == "skip":
+            # the step's own update must be dropped, so its values are read now: one host sync per step
+            self._act(trainer, pl_module, optimizer, values.cpu().numpy(), layout)
+            return
+        # stop: this step's values are copied to the host without waiting and read at the next step (or at train
+        # end), so no step waits for the device; every rank reads the same gathered values and stops at that step
         self._read_pending(trainer, pl_module, optimizer)
-        self._pending.put(flags, trainer.global_step)
+        self._pending.put(values, layout)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._pending.clear()
-        self._pending.allocate((trainer.world_size, 4), torch.float64, pl_module.device)
+        # the host buffer, made here rather than in a step: a step's micro-batches and one value per parameter
+        params = len(_optimized(trainer.optimizers[0])) if self.check_grads and trainer.optimizers else 0
+        self._pending.allocate(
+            (trainer.world_size, trainer.accumulate_grad_batches + params), torch.float64, pl_module.device
+        )
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._read_pending(trainer, pl_module, None)  # before validation runs on what the epoch's last step made
@@ -181,22 +210,30 @@ class NonFiniteGuard(L.Callback):
         if taken is not None:
             self._act(trainer, pl_module, optimizer, *taken)
 
-    def _act(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any, flags: Any, step: int) -> None:
-        """Report and stop (or skip) when the gathered ``flags`` (one row per rank, host memory) say so."""
-        loss_ranks = [r for r in range(flags.shape[0]) if flags[r, 0] > 0]
-        grad_ranks = [r for r in range(flags.shape[0]) if flags[r, 1] > 0]
-        if not loss_ranks and not grad_ranks:
+    def _act(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any, values: Any, layout: tuple
+    ) -> None:
+        """Report and stop (or skip) when the gathered ``values`` (one row per rank, host memory: the step's
+        micro-batch losses, then each of ``params``' gradient sums) hold a NaN/Inf."""
+        losses, step, params = layout
+        finite = np.isfinite(values)
+        if finite.all():
             return
-        names = [name for name, _ in pl_module.named_parameters()]
+        loss_ranks = [r for r in range(values.shape[0]) if not finite[r, :losses].all()]
+        grad_ranks = [r for r in range(values.shape[0]) if not finite[r, losses:].all()]
         what, ranks = ("loss", loss_ranks) if loss_ranks else ("grad", grad_ranks)
-        tensor = names[int(flags[ranks[0], 2])] if what == "grad" else None
+        tensor = None
+        if what == "grad":
+            first = int(np.argmin(finite[ranks[0], losses:]))  # the first parameter whose gradient is not finite
+            names = {id(p): name for name, p in pl_module.named_parameters()}
+            tensor = names.get(id(params[first]), f"parameter {first} of the optimizer")
         event = NonFiniteEvent(
             kind="nonfinite",
             global_step=step,
             ranks=ranks,
             what=what,
             tensor=tensor,
-            loss={str(r): float(flags[r, 3]) for r in range(flags.shape[0])},
+            loss={str(r): _step_loss(values[r, :losses], finite[r, :losses]) for r in range(values.shape[0])},
             action=self.on_nonfinite,
             stopped_at=trainer.global_step if self.on_nonfinite == "stop" else None,
         )
@@ -211,6 +248,18 @@ class NonFiniteGuard(L.Callback):
     def _report(self, trainer: L.Trainer, event: NonFiniteEvent) -> None:
         append_jsonl(reports_dir(trainer) / "nonfinite.jsonl", _json_safe(asdict(event)))
         say(event.sentence(), logging.ERROR if event.action == "stop" else logging.WARNING)
+
+
+def _optimized(optimizer: Any) -> list[torch.Tensor]:
+    """The parameters ``optimizer`` steps, in its param groups' order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _step_loss(losses: Any, finite: Any) -> float:
+    """A rank's loss at the step: its first non-finite micro-batch loss, else the last one (-1: none recorded)."""
+    if not len(losses):
+        return -1.0
+    return float(losses[int(np.argmin(finite))] if not finite.all() else losses[-1])
 
 
 def _json_safe(record: dict[str, Any]) -> dict[str, Any]:

@@ -73,3 +73,118 @@ class BenchStepTimes(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_rank == 0:
             self.clock.dump(self.out, global_step=trainer.global_step)
+
+
+# the hooks Lightning calls on every callback at every training batch (per micro-batch or per optimizer step)
+HOOKS = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_train_batch_end",
+)
+
+
+class CallbackGate(L.Callback):
+    """Takes the template's own callbacks out and puts them back in blocks of steps inside one run; times each step.
+
+    ``scripts/bench_callbacks.py`` adds it as ``+callbacks.bench``. Phases: ``all`` (as shipped), ``none`` (the
+    callbacks named in ``classes`` removed from ``trainer.callbacks``, so Lightning does not even call their hooks)
+    and ``only:<class>``. Each cycle visits every phase for ``block_steps`` steps, in reverse order every other cycle,
+    so a slow spell of the machine falls on all phases alike. A step is the time between this callback's
+    ``on_train_batch_end`` calls; the first step of a block (it mixes two phases) and a step across an epoch boundary
+    are not kept. From the last step on every callback is back, so validation and the end of fit see them all.
+    What a removed callback installed outside Lightning's hooks still runs (the profiler's fetch marks on the loop,
+    the hang doctor's watchdog thread): ``none`` is the template without their hooks, not without them entirely.
+
+    It also times each gated callback's own per-step hooks (``HOOKS``) directly, over the steps it was in the list:
+    that figure has no noise from the rest of the step, but leaves out Lightning's cost of calling the hooks.
+
+    Args:
+        classes: class names of the callbacks to gate, each present once in the trainer.
+        block_steps: steps per block (>= 2).
+        out: JSON file rank zero writes at the end of fit: per phase, per cycle, the kept step times in seconds.
+    """
+
+    def __init__(self, classes: list[str], block_steps: int, out: str) -> None:
+        if block_steps < 2:
+            raise ValueError(f"CallbackGate: block_steps must be >= 2, got {block_steps}")
+        self.classes, self.block_steps, self.out = list(classes), block_steps, out
+        self.phases = ["all", "none", *[f"only:{c}" for c in self.classes]]
+        self.times: dict[str, list[list[float]]] = {p: [] for p in self.phases}
+        self._full: list[L.Callback] = []
+        self._gated: dict[str, L.Callback] = {}
+        self._phase: str | None = None
+        self._cycle = 0
+        self._kept = False
+        self._start: float | None = None
+        self.hook_s = {c: 0.0 for c in self.classes}  # time inside each callback's per-step hooks
+        self.present_steps = {c: 0 for c in self.classes}
+        self._present: set[str] = set(self.classes)
+
+    def _time_hooks(self, cls: str, callback: L.Callback) -> None:
+        for hook in HOOKS:
+            original = getattr(callback, hook)
+
+            def timed(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    self.hook_s[cls] += time.perf_counter() - start
+
+            setattr(callback, hook, timed)  # an instance attribute: Lightning's getattr finds it first
+
+    def _schedule(self, step: int) -> tuple[int, str]:
+        cycle, block = divmod(step // self.block_steps, len(self.phases))
+        return cycle, (self.phases if cycle % 2 == 0 else self.phases[::-1])[block]
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._full = list(trainer.callbacks)
+        for cls in self.classes:
+            found = [c for c in self._full if type(c).__name__ == cls]
+            if len(found) != 1:
+                raise ValueError(f"CallbackGate: {len(found)} callbacks of class {cls} in the trainer, not 1")
+            self._gated[cls] = found[0]
+            self._time_hooks(cls, found[0])
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start = None  # the interval since the last batch holds validation and the epoch's end
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        now = time.perf_counter()
+        if self._start is not None and self._kept:
+            rows = self.times[self._phase]
+            rows.extend([] for _ in range(self._cycle + 1 - len(rows)))
+            rows[self._cycle].append(now - self._start)
+        for cls in self._present:
+            self.present_steps[cls] += 1
+        step = trainer.global_step  # optimizer steps done: the next batch belongs to step + 1
+        last = 0 < trainer.max_steps <= step
+        cycle, phase = self._schedule(step)
+        self._kept = phase == self._phase and not last
+        self._phase, self._cycle = phase, cycle
+        if phase == "all" or last:
+            keep = set(self.classes)
+        else:
+            keep = set() if phase == "none" else {phase.removeprefix("only:")}
+        self._present = keep
+        out = {id(c) for cls, c in self._gated.items() if cls not in keep}
+        # Lightning iterates trainer.callbacks afresh for every hook: the next batch sees this list
+        trainer.callbacks = [c for c in self._full if id(c) not in out]
+        self._start = time.perf_counter()
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._full:
+            trainer.callbacks = list(self._full)
+        if trainer.global_rank == 0:
+            hook_us = {c: self.hook_s[c] / max(self.present_steps[c], 1) * 1e6 for c in self.classes}
+            payload = {
+                "phases": self.phases,
+                "times": self.times,
+                "hook_us": hook_us,
+                "present_steps": self.present_steps,
+                "global_step": trainer.global_step,
+            }
+            Path(self.out).write_text(json.dumps(payload))

@@ -1,0 +1,59 @@
+"""The benchmark scripts keep working: scripts/bench_callbacks.py's gate, through train.py and through the script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GATED = ["SyncCheck", "ProfilingCallback", "HangDoctor", "NonFiniteGuard", "RngState", "LastCheckpoint", "Preemption"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_callback_gate_takes_the_callbacks_out_in_blocks(train, tmp_path):
+    block, phases = 3, 2 + len(GATED)
+    out = tmp_path / "gate.json"
+    train(
+        f"trainer.max_steps={block * phases}",
+        "trainer.max_epochs=1",
+        "data.train_repeat=20",
+        "test=false",
+        "callbacks.early_stopping=null",
+        "optimized_metric=null",
+        "callbacks.rich_progress_bar=null",
+        "extras.print_config=false",
+        "+callbacks.bench._target_=lit_template.testing.bench.CallbackGate",
+        f"+callbacks.bench.classes=[{','.join(GATED)}]",
+        f"+callbacks.bench.block_steps={block}",
+        f"+callbacks.bench.out={out}",
+        timeout=180,
+    )
+    result = json.loads(out.read_text())
+    assert result["phases"] == ["all", "none", *[f"only:{c}" for c in GATED]]
+    # one cycle; each block keeps its steps but the first (the very first block also loses step 1: no start yet)
+    kept = {phase: [len(b) for b in rows] for phase, rows in result["times"].items()}
+    assert kept["all"] == [block - 2] and all(kept[p] == [block - 1] for p in result["phases"][1:]), kept
+    # each callback was in the list for the "all" block and its own block (the last step brings every one back)
+    assert all(result["present_steps"][c] in (2 * block, 2 * block + 1) for c in GATED), result["present_steps"]
+    assert result["hook_us"]["NonFiniteGuard"] > 0 and result["hook_us"]["ProfilingCallback"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_bench_callbacks_prints_the_ratio_and_each_callback():
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_callbacks.py", "--batch-size", "64", "--block-steps", "3", "--cycles", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "all / none (the template's own callbacks together):" in proc.stdout
+    for cls in GATED:
+        assert f"  {cls}" in proc.stdout and "hooks" in proc.stdout
