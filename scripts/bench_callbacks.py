@@ -3,7 +3,7 @@
 
     python scripts/bench_callbacks.py                          # 1 process, batch 1024, the shipped callbacks
     python scripts/bench_callbacks.py --batch-size 256 --cycles 12
-    python scripts/bench_callbacks.py --ddp                    # 2 gloo processes (trainer=ddp_cpu)
+    python scripts/bench_callbacks.py --ddp                    # 2 gloo processes (trainer=ddp_cpu), no raw phase
     python scripts/bench_callbacks.py -- model=cnn             # extra train.py overrides after --
 
 scripts/benchmark.py starts each variant as its own process, and on a shared machine one process can run 70% slower
@@ -90,6 +90,7 @@ def main() -> None:
             f"+callbacks.bench.classes={classes}",
             f"+callbacks.bench.block_steps={args.block_steps}",
             f"+callbacks.bench.out={out}",
+            f"+callbacks.bench.raw={not args.ddp}",
             *args.overrides,
         ]
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(args.threads)}
@@ -105,10 +106,21 @@ def main() -> None:
         f"\nprocesses: {2 if args.ddp else 1}  batch size: {args.batch_size}  blocks of {args.block_steps} steps  "
         f"cycles: {len(none)}  threads per process: {args.threads}  cpus: {os.cpu_count()}"
     )
-    print(f"step time with none of the template's callbacks: {spread(none)} ms (median of block medians, range)")
+    raw = block_medians(times, "raw") if "raw" in times else []
+    if raw:
+        print(f"step time of the hand-written loop (raw):       {spread(raw)} ms (median of block medians, range)")
+    print(f"step time with none of the template's callbacks: {spread(none)} ms")
     print(f"step time as shipped (all of them):              {spread(every)} ms")
     ratio = [a / n for a, n in zip(every, none, strict=False)]
     print(f"all / none (the template's own callbacks together): {spread(ratio)}   target <= 1.03 at batch 1024")
+    if raw:
+        print(
+            f"as shipped / raw (b/a): {spread([a / r for a, r in zip(every, raw, strict=False)])}   "
+            "target <= 1.15 at batch 1024, <= 1.30 at 256"
+        )
+        print(
+            f"none / raw (d/a, Lightning and the LitModule): {spread([n / r for n, r in zip(none, raw, strict=False)])}"
+        )
     print(
         "each callback: alone minus none in the same cycle (us per step; median, range over cycles), and the time"
         " inside its own per-step hooks (us per step, measured directly)"

@@ -105,7 +105,8 @@ def hand_loop(steps: int) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     from lit_template.data.text import TextDataModule
-    from lit_template.models.gpt import GPTNet, WarmupCosine
+    from lit_template.models.gpt import WarmupCosine
+    from lit_template.models.gpt_net import GPTNet
 
     torch.manual_seed(12345)
     data = TextDataModule(block_size=BLOCK, batch_size=BATCH)

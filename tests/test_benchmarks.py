@@ -16,7 +16,7 @@ GATED = ["SyncCheck", "ProfilingCallback", "HangDoctor", "NonFiniteGuard", "RngS
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_callback_gate_takes_the_callbacks_out_in_blocks(train, tmp_path):
-    block, phases = 3, 2 + len(GATED)
+    block, phases = 3, 3 + len(GATED)
     out = tmp_path / "gate.json"
     train(
         f"trainer.max_steps={block * phases}",
@@ -31,13 +31,16 @@ def test_callback_gate_takes_the_callbacks_out_in_blocks(train, tmp_path):
         f"+callbacks.bench.classes=[{','.join(GATED)}]",
         f"+callbacks.bench.block_steps={block}",
         f"+callbacks.bench.out={out}",
+        "+callbacks.bench.raw=true",
         timeout=180,
     )
     result = json.loads(out.read_text())
-    assert result["phases"] == ["all", "none", *[f"only:{c}" for c in GATED]]
+    assert result["phases"] == ["raw", "all", "none", *[f"only:{c}" for c in GATED]]
     # one cycle; each block keeps its steps but the first (the very first block also loses step 1: no start yet)
     kept = {phase: [len(b) for b in rows] for phase, rows in result["times"].items()}
-    assert kept["all"] == [block - 2] and all(kept[p] == [block - 1] for p in result["phases"][1:]), kept
+    assert kept["raw"] == [block - 2] and all(kept[p] == [block - 1] for p in result["phases"][1:]), kept
+    # the raw steps are timed hand-written steps: a fetch, forward, backward and optimizer step each
+    assert all(0 < t < 5 for t in result["times"]["raw"][0]), result["times"]["raw"]
     # each callback was in the list for the "all" block and its own block (the last step brings every one back)
     assert all(result["present_steps"][c] in (2 * block, 2 * block + 1) for c in GATED), result["present_steps"]
     assert result["hook_us"]["NonFiniteGuard"] > 0 and result["hook_us"]["ProfilingCallback"] > 0
@@ -55,5 +58,6 @@ def test_bench_callbacks_prints_the_ratio_and_each_callback():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "all / none (the template's own callbacks together):" in proc.stdout
+    assert "as shipped / raw (b/a):" in proc.stdout and "step time of the hand-written loop (raw):" in proc.stdout
     for cls in GATED:
         assert f"  {cls}" in proc.stdout and "hooks" in proc.stdout

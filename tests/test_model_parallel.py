@@ -294,7 +294,7 @@ def test_profiling_counts_distinct_tokens_and_mfu_from_the_formula_under_tensor_
     assert th["samples"] == STEPS * 8 and th["tokens"] == STEPS * 8 * 32, th
     assert th["tokens_per_s"] == pytest.approx(th["tokens_per_s_global"] / 2, rel=0.2)
     # MFU from GPT.flops_per_token() = 6 N + 12 L T d, N counted here from the network itself
-    from lit_template.models.gpt import GPTNet
+    from lit_template.models.gpt_net import GPTNet
 
     net = GPTNet(256, 32, 2, 4, 32, 0.0, True)
     n = sum(p.numel() for p in net.parameters()) - net.wpe.weight.numel()

@@ -54,3 +54,40 @@ def test_shipped_config_is_this_bar_at_ten_redraws_a_second():
     bar = cfg.callbacks.rich_progress_bar
     assert bar._target_ == "lit_template.callbacks.progress_bar.ProgressBar"
     assert bar.refresh_rate == 10 and list(bar.step_metrics) == ["train/loss_step"]
+
+
+class Counting(ProgressBar):
+    """Counts the rebuilds of the metrics column in training batches, and records the bar's position after each."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rebuilt_at: list[int] = []
+        self.position: list[int] = []
+
+    def _update_metrics(self, trainer, pl_module) -> None:
+        if trainer.training:
+            self.rebuilt_at.append(trainer.global_step)
+        super()._update_metrics(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        self.position.append(int(self.progress.tasks[self.train_progress_bar_id].completed))
+
+
+def test_metrics_column_is_rebuilt_at_log_steps_and_the_bar_moves_every_batch(tmp_path):
+    bar = Counting(refresh_rate=10, step_metrics=["train/loss_step"])
+    trainer = L.Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=2,
+        limit_train_batches=25,
+        log_every_n_steps=10,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        callbacks=[bar],
+    )
+    trainer.fit(StepLoss())
+    # each epoch's first batch (global_step 1 and 26 after it), the log steps 10, 20, 30, 40 and 50, and the epoch
+    # ends (25 and 50, Lightning's on_train_epoch_end): 9 of the 50 batches, not 50
+    assert bar.rebuilt_at == [1, 10, 20, 25, 26, 30, 40, 50, 50], bar.rebuilt_at
+    assert bar.position == [*range(1, 26), *range(1, 26)], bar.position

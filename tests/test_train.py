@@ -95,3 +95,70 @@ def test_eval_tests_a_checkpoint(train, evaluate):
 def test_experiment_config_runs(train):
     run = train("experiment=digits_cnn", *FAST, "test=false", timeout=180)
     assert "SmallCNN" in run.output
+
+
+def test_training_metrics_per_epoch_equal_torchmetrics_updated_every_step(tmp_path):
+    """The LitClassifier keeps per-step sums and feeds them to weighted means at epoch end (no torchmetrics update per
+    step): the logged train/loss and train/acc are what updating MeanMetric and MulticlassAccuracy every step gives."""
+    import hydra
+    import lightning as L
+    from conftest import ROOT
+    from hydra import compose, initialize_config_dir
+    from torchmetrics import MeanMetric
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from lit_template.models import LitClassifier
+
+    class Checked(LitClassifier):
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.ref_loss, self.ref_acc = MeanMetric(), MulticlassAccuracy(num_classes=10, average="micro")
+            self.compared: list[tuple[float, float, float, float]] = []
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            x, y = batch
+            self.ref_loss.update(loss.detach())
+            with torch.no_grad():
+                self.ref_acc.update(self.net(x).argmax(dim=1), y)  # the same weights and batch (dropout off below)
+            return loss
+
+        def on_train_epoch_end(self) -> None:
+            super().on_train_epoch_end()
+            logged = self.trainer.callback_metrics
+            self.compared.append(
+                (
+                    float(logged["train/loss"]),
+                    float(self.ref_loss.compute()),
+                    float(logged["train/acc"]),
+                    float(self.ref_acc.compute()),
+                )
+            )
+            self.ref_loss.reset()
+            self.ref_acc.reset()
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["model.net.dropout=0.0", "data.batch_size=100"])
+    dm = hydra.utils.instantiate(cfg.data)
+    model = Checked(
+        **{
+            k: hydra.utils.instantiate(v) if k in ("net", "optimizer", "scheduler") else v
+            for k, v in cfg.model.items()
+            if k != "_target_"
+        }
+    )
+    trainer = L.Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=2,
+        limit_train_batches=7,
+        limit_val_batches=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=dm)
+    assert len(model.compared) == 2
+    for loss, ref_loss, acc, ref_acc in model.compared:
+        assert loss == pytest.approx(ref_loss, rel=1e-6) and 0 < acc < 1
+        assert acc == pytest.approx(ref_acc, rel=1e-6), model.compared

@@ -125,52 +125,62 @@ def check_comm_config(trainer_cfg: DictConfig) -> None:
 
     state = strategy.get("ddp_comm_state")
     if "PostLocalSGDState" in _target(state):
-        _whole_number(
-            name,
-            "model_averaging_period",
-            strategy.get("model_averaging_period"),
-            2,
-            "local SGD averages the model every N optimizer steps; 1 is plain DDP",
-        )
-        _whole_number(
-            name,
-            "ddp_comm_state.start_localSGD_iter",
-            state.get("start_localSGD_iter"),
-            1,
-            "optimizer steps of plain DDP before local SGD starts",
-        )
-        if "post_localSGD_hook" not in _target(strategy.get("ddp_comm_hook")) + str(
-            (strategy.get("ddp_comm_hook") or {}).get("path", "")
-        ):
-            raise ConfigError(
-                f"comm={name}: a PostLocalSGDState needs trainer.strategy.ddp_comm_hook = "
-                "post_localSGD_hook (see conf/comm/local_sgd.yaml)"
-            )
-        accelerator = str(trainer_cfg.get("accelerator", "auto")).lower()
-        if state.get("post_local_gradient_allreduce", True) and state.get("subgroup") is None and accelerator == "cpu":
-            raise ConfigError(
-                f"comm={name}: trainer.strategy.ddp_comm_state.post_local_gradient_allreduce=true with subgroup=null "
-                "groups the ranks per GPU machine, and trainer.accelerator=cpu has no GPUs: set "
-                "trainer.strategy.ddp_comm_state.post_local_gradient_allreduce=false (no gradient sync between "
-                "averaging steps)"
-            )
+        _check_local_sgd(name, strategy, state, trainer_cfg)
     elif strategy.get("model_averaging_period") is not None:
         raise ConfigError(
             f"comm={name}: trainer.strategy.model_averaging_period is set but ddp_comm_state is not a "
             "PostLocalSGDState, so nothing would average the model: use comm=local_sgd"
         )
     if "PowerSGDState" in _target(state):
-        _whole_number(
-            name,
-            "ddp_comm_state.start_powerSGD_iter",
-            state.get("start_powerSGD_iter"),
-            2,
-            "PowerSGD's error feedback and warm start need plain all-reduce steps first",
+        _check_power_sgd(name, state)
+
+
+def _check_local_sgd(name: str, strategy: Any, state: Any, trainer_cfg: DictConfig) -> None:
+    """comm=local_sgd: the averaging period, the start step, the hook that goes with the state, and the CPU case."""
+    _whole_number(
+        name,
+        "model_averaging_period",
+        strategy.get("model_averaging_period"),
+        2,
+        "local SGD averages the model every N optimizer steps; 1 is plain DDP",
+    )
+    _whole_number(
+        name,
+        "ddp_comm_state.start_localSGD_iter",
+        state.get("start_localSGD_iter"),
+        1,
+        "optimizer steps of plain DDP before local SGD starts",
+    )
+    if "post_localSGD_hook" not in _target(strategy.get("ddp_comm_hook")) + str(
+        (strategy.get("ddp_comm_hook") or {}).get("path", "")
+    ):
+        raise ConfigError(
+            f"comm={name}: a PostLocalSGDState needs trainer.strategy.ddp_comm_hook = "
+            "post_localSGD_hook (see conf/comm/local_sgd.yaml)"
         )
-        _whole_number(
-            name,
-            "ddp_comm_state.matrix_approximation_rank",
-            state.get("matrix_approximation_rank"),
-            1,
-            "the rank of each gradient matrix's approximation",
+    accelerator = str(trainer_cfg.get("accelerator", "auto")).lower()
+    if state.get("post_local_gradient_allreduce", True) and state.get("subgroup") is None and accelerator == "cpu":
+        raise ConfigError(
+            f"comm={name}: trainer.strategy.ddp_comm_state.post_local_gradient_allreduce=true with subgroup=null "
+            "groups the ranks per GPU machine, and trainer.accelerator=cpu has no GPUs: set "
+            "trainer.strategy.ddp_comm_state.post_local_gradient_allreduce=false (no gradient sync between "
+            "averaging steps)"
         )
+
+
+def _check_power_sgd(name: str, state: Any) -> None:
+    """comm=powersgd: the start step and the approximation rank."""
+    _whole_number(
+        name,
+        "ddp_comm_state.start_powerSGD_iter",
+        state.get("start_powerSGD_iter"),
+        2,
+        "PowerSGD's error feedback and warm start need plain all-reduce steps first",
+    )
+    _whole_number(
+        name,
+        "ddp_comm_state.matrix_approximation_rank",
+        state.get("matrix_approximation_rank"),
+        1,
+        "the rank of each gradient matrix's approximation",
+    )

@@ -1,4 +1,4 @@
-"""Tensor parallelism and FSDP2 for :class:`~lit_template.models.gpt.GPTNet` on a 2-D device mesh.
+"""Tensor parallelism and FSDP2 for :class:`~lit_template.models.gpt_net.GPTNet` on a 2-D device mesh.
 
 Lightning's ``ModelParallelStrategy`` builds the mesh ``(data_parallel, tensor_parallel)`` and hands it to
 ``LightningModule.configure_model``; what to split and how is the model's business, and it is here:

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
+import torch.nn.functional as F
 
 
 class StepClock:
@@ -91,7 +93,12 @@ class CallbackGate(L.Callback):
 
     ``scripts/bench_callbacks.py`` adds it as ``+callbacks.bench``. Phases: ``all`` (as shipped), ``none`` (the
     callbacks named in ``classes`` removed from ``trainer.callbacks``, so Lightning does not even call their hooks)
-    and ``only:<class>``. Each cycle visits every phase for ``block_steps`` steps, in reverse order every other cycle,
+    and ``only:<class>``; with ``raw``, also ``raw``: a hand-written step (the raw loop of scripts/benchmark.py: fetch
+    from an iterator of its own over the datamodule's training loader, zero_grad, forward, cross-entropy, the loss
+    sum and correct count the LitModule also keeps, backward, optimizer step) on the same net and optimizer, run from
+    this callback's ``on_train_batch_end``, once per Lightning step of that block and timed from its fetch to its
+    optimizer step, so the template and the loop it replaces are compared in one process.
+    Each cycle visits every phase for ``block_steps`` steps, in reverse order every other cycle,
     so a slow spell of the machine falls on all phases alike. A step is the time between this callback's
     ``on_train_batch_end`` calls; the first step of a block (it mixes two phases) and a step across an epoch boundary
     are not kept. From the last step on every callback is back, so validation and the end of fit see them all.
@@ -105,13 +112,14 @@ class CallbackGate(L.Callback):
         classes: class names of the callbacks to gate, each present once in the trainer.
         block_steps: steps per block (>= 2).
         out: JSON file rank zero writes at the end of fit: per phase, per cycle, the kept step times in seconds.
+        raw: add the ``raw`` phase (1 process, a LitModule with ``net`` and ``(x, y)`` batches of class indices).
     """
 
-    def __init__(self, classes: list[str], block_steps: int, out: str) -> None:
+    def __init__(self, classes: list[str], block_steps: int, out: str, raw: bool = False) -> None:
         if block_steps < 2:
             raise ValueError(f"CallbackGate: block_steps must be >= 2, got {block_steps}")
         self.classes, self.block_steps, self.out = list(classes), block_steps, out
-        self.phases = ["all", "none", *[f"only:{c}" for c in self.classes]]
+        self.phases = [*(["raw"] if raw else []), "all", "none", *[f"only:{c}" for c in self.classes]]
         self.times: dict[str, list[list[float]]] = {p: [] for p in self.phases}
         self._full: list[L.Callback] = []
         self._gated: dict[str, L.Callback] = {}
@@ -122,6 +130,29 @@ class CallbackGate(L.Callback):
         self.hook_s = {c: 0.0 for c in self.classes}  # time inside each callback's per-step hooks
         self.present_steps = {c: 0 for c in self.classes}
         self._present: set[str] = set(self.classes)
+        self._raw_batches: Any = None
+        self._raw_sums: list[torch.Tensor] = []
+
+    def _raw_step(self, trainer: L.Trainer, pl_module: L.LightningModule) -> float:
+        """One step of the hand-written loop on the LitModule's net and optimizer; its time in seconds."""
+        if trainer.world_size > 1:
+            raise ValueError("CallbackGate: the raw phase runs on 1 process only")
+        optimizer = trainer.optimizers[0]
+        start = time.perf_counter()
+        try:
+            x, y = next(self._raw_batches)
+        except StopIteration:
+            self._raw_batches = iter(trainer.datamodule.train_dataloader())
+            x, y = next(self._raw_batches)
+        x, y = x.to(pl_module.device), y.to(pl_module.device)
+        optimizer.zero_grad(set_to_none=True)
+        logits = pl_module.net(x)
+        loss = F.cross_entropy(logits, y)
+        self._raw_sums[0] += loss.detach()
+        self._raw_sums[1] += (logits.argmax(dim=1) == y).sum()
+        loss.backward()
+        optimizer.step()
+        return time.perf_counter() - start
 
     def _time_hooks(self, cls: str, callback: L.Callback) -> None:
         for hook in HOOKS:
@@ -148,6 +179,9 @@ class CallbackGate(L.Callback):
                 raise ValueError(f"CallbackGate: {len(found)} callbacks of class {cls} in the trainer, not 1")
             self._gated[cls] = found[0]
             self._time_hooks(cls, found[0])
+        if "raw" in self.phases:
+            self._raw_batches = iter(trainer.datamodule.train_dataloader())
+            self._raw_sums = [torch.zeros((), device=pl_module.device) for _ in range(2)]
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._start = None  # the interval since the last batch holds validation and the epoch's end
@@ -157,7 +191,7 @@ class CallbackGate(L.Callback):
         if self._start is not None and self._kept:
             rows = self.times[self._phase]
             rows.extend([] for _ in range(self._cycle + 1 - len(rows)))
-            rows[self._cycle].append(now - self._start)
+            rows[self._cycle].append(self._raw_step(trainer, args[0]) if self._phase == "raw" else now - self._start)
         for cls in self._present:
             self.present_steps[cls] += 1
         step = trainer.global_step  # optimizer steps done: the next batch belongs to step + 1
@@ -168,7 +202,7 @@ class CallbackGate(L.Callback):
         if phase == "all" or last:
             keep = set(self.classes)
         else:
-            keep = set() if phase == "none" else {phase.removeprefix("only:")}
+            keep = set() if phase in ("none", "raw") else {phase.removeprefix("only:")}
         self._present = keep
         out = {id(c) for cls, c in self._gated.items() if cls not in keep}
         # Lightning iterates trainer.callbacks afresh for every hook: the next batch sees this list

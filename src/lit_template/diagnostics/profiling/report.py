@@ -67,7 +67,7 @@ def build_report(
             "samples_per_s": own.window.samples_per_s / run.replicas if own else math.nan,
             "samples_per_s_global": run.samples_per_s_global,
         },
-        "memory": {},
+        "memory": _memory_peaks(run),
         "per_rank": [_rank_row(r) for r in run.ranks],
     }
     if run.tokens:
@@ -86,24 +86,33 @@ def build_report(
             "peak_flops_per_device": run.peak_flops,
             "peak_from": info.peak_from,
         }
-    for name in MEMORY_FIELDS:
-        # each rank's peak over the run; min and max over the ranks show an imbalance
-        peaks = [getattr(r.memory, name) for r in run.ranks]
-        peaks = [v for v in peaks if not math.isnan(v)]
-        if peaks:
-            report["memory"][name] = {"min": min(peaks), "max": max(peaks)}
     stragglers = [w.straggler for w in windows if w.straggler is not None]
     if stragglers:
-        counts = Counter(s.global_rank for s in stragglers)
-        report["stragglers"] = {
-            "windows": len(stragglers),
-            "slowest_global_rank": counts.most_common(1)[0][0],
-            "times_slowest": {str(k): v for k, v in sorted(counts.items())},
-            "lag_ms_mean": 1e3 * sum(s.lag_s for s in stragglers) / len(stragglers),
-            "lag_ms_max": 1e3 * max(s.lag_s for s in stragglers),
-            "lag_pct_mean": sum(s.lag_pct for s in stragglers) / len(stragglers),
-        }
+        report["stragglers"] = _straggler_summary(stragglers)
     return report
+
+
+def _memory_peaks(run: GlobalWindow) -> dict[str, dict[str, float]]:
+    """Per memory field, each rank's peak over the run; min and max over the ranks show an imbalance."""
+    out = {}
+    for name in MEMORY_FIELDS:
+        peaks = [v for v in (getattr(r.memory, name) for r in run.ranks) if not math.isnan(v)]
+        if peaks:
+            out[name] = {"min": min(peaks), "max": max(peaks)}
+    return out
+
+
+def _straggler_summary(stragglers: Sequence[Any]) -> dict[str, Any]:
+    """Which rank was slowest how often, and by how much, over the windows that had a straggler."""
+    counts = Counter(s.global_rank for s in stragglers)
+    return {
+        "windows": len(stragglers),
+        "slowest_global_rank": counts.most_common(1)[0][0],
+        "times_slowest": {str(k): v for k, v in sorted(counts.items())},
+        "lag_ms_mean": 1e3 * sum(s.lag_s for s in stragglers) / len(stragglers),
+        "lag_ms_max": 1e3 * max(s.lag_s for s in stragglers),
+        "lag_pct_mean": sum(s.lag_pct for s in stragglers) / len(stragglers),
+    }
 
 
 def _rank_row(r: RankWindow) -> dict[str, Any]:
