@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from array import array
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lit_template.diagnostics.profiling.flops import FlopMeter
 from lit_template.diagnostics.profiling.render import console_summary, plot_profile, write_profile
-from lit_template.diagnostics.profiling.report import RunInfo, build_report, json_ready
+from lit_template.diagnostics.profiling.report import RunInfo, add_files, build_report, json_ready
 from lit_template.diagnostics.profiling.stats import (
     GlobalWindow,
     MemoryStats,
@@ -46,6 +45,8 @@ from lit_template.diagnostics.profiling.traces import (
 )
 from lit_template.diagnostics.profiling.windows import (
     MemoryAlarms,
+    OwnSeries,
+    gather_ranks,
     straggler_record,
     straggler_sentence,
     window_metrics,
@@ -115,9 +116,7 @@ class ProfilingCallback(L.Callback):
         self._traces: TraceRecorder | None = None
         self._snapshots = MemorySnapshots(self.memory_snapshot)
         self._windows: list[GlobalWindow] = []  # rank zero: every rank's row at every log step
-        self._own_steps = array("l")  # this rank's steps, for the plot and the exact percentiles
-        self._own_step_ms = array("d")
-        self._own_wait_ms = array("d")
+        self._own = OwnSeries()  # this rank's steps, for the plot and the exact percentiles
         self._reported = False
         self._memory_alarms = MemoryAlarms()
         self._trainer: L.Trainer | None = None
@@ -229,31 +228,17 @@ class ProfilingCallback(L.Callback):
     # -- measuring ----------------------------------------------------------------------------------------------------
     def _emit(self, trainer: L.Trainer) -> None:
         records = self._timer.take()
-        for r in records:
-            self._own_steps.append(r.step)
-            self._own_step_ms.append(r.step_time_s * 1e3)
-            self._own_wait_ms.append(r.data_wait_s * 1e3)
+        self._own.extend(records)
         memory = MemoryStats.sample(self._device, self._process)
         mine = RankWindow(self._global_rank, WindowStats.from_records(records), memory)
-        if self._world_size > 1:
-            row = torch.tensor(mine.encode(), dtype=torch.float64, device=self._device)
-            gathered = trainer.strategy.all_gather(row).reshape(self._world_size, RankWindow.width())
-            ranks = [RankWindow.decode(r) for r in gathered.cpu().tolist()]
-        else:
-            ranks = [mine]
+        ranks = gather_ranks(trainer.strategy, mine, self._world_size, self._device)
         if trainer.is_global_zero:
-            straggler = find_straggler(trainer.global_step, ranks)
-            self._on_window(
-                trainer,
-                GlobalWindow(
-                    trainer.global_step,
-                    ranks,
-                    straggler,
-                    self._flops.flops_per_sample or None,
-                    self._flops.peak_flops,
-                    self._replicas,
-                ),
+            step, flops = trainer.global_step, self._flops
+            straggler = find_straggler(step, ranks)
+            window = GlobalWindow(
+                step, ranks, straggler, flops.flops_per_sample or None, flops.peak_flops, self._replicas
             )
+            self._on_window(trainer, window)
 
     def _on_window(self, trainer: L.Trainer, window: GlobalWindow) -> None:
         """Rank zero: keep the window, log its figures, say what needs saying."""
@@ -298,7 +283,7 @@ class ProfilingCallback(L.Callback):
         say(console_summary(report, self._global_rank, self._world_size, markdown), level=logging.INFO)
 
     def _plot(self, path: Path) -> None:
-        plot_profile(path, self._own_steps, self._own_step_ms, self._windows)
+        plot_profile(path, self._own.steps, self._own.step_ms, self._windows)
 
     def _build_report(self, trainer: L.Trainer, complete: bool) -> dict[str, Any]:
         info = RunInfo(
@@ -312,13 +297,7 @@ class ProfilingCallback(L.Callback):
             flops_from=self._flops.flops_from,
             peak_from=self._flops.peak_from,
         )
-        report = build_report(info, self._windows, self._own_step_ms, self._own_wait_ms)
-        if "stragglers" in report:
-            report["stragglers"]["file"] = str(reports_dir(trainer) / "stragglers.jsonl")
-        trace_files = self._traces.files if self._traces is not None else []
-        if trace_files:
-            report["traces_dir"] = str(Path(trace_files[0]).parent)
-            report["traces"] = sorted(Path(p).name for p in trace_files)  # rank zero's; each rank writes its own
-        if self._snapshots.files:
-            report["memory_snapshots"] = sorted(Path(p).name for p in self._snapshots.files)
-        return json_ready(report)
+        report = build_report(info, self._windows, self._own.step_ms, self._own.wait_ms)
+        traces = self._traces.files if self._traces is not None else []
+        stragglers = str(reports_dir(trainer) / "stragglers.jsonl")
+        return json_ready(add_files(report, stragglers, traces, self._snapshots.files))

@@ -1,27 +1,11 @@
 """Gradient and parameter sync check: prove data-parallel replicas stay identical, and name what drifted.
 
-Every ``every_n_steps`` optimizer steps, on every rank:
-
-- gradients in ``on_before_optimizer_step`` (after DDP's all-reduce, AMP unscaling and gradient accumulation);
-- which trainable parameters got no gradient from this rank's own backward (the unused-parameter case, a warning);
-- buffers (BatchNorm running stats) as the step's first forward saw them, just after DDP broadcast them (a warning:
-  ``broadcast_buffers=False`` makes them differ on purpose);
-- parameters after the optimizer step (``on_train_batch_end``); also at fit start and end if asked.
-
-Local SGD (``comm=local_sgd``: a ``PeriodicModelAverager`` in the DDP strategy): after ``start_localSGD_iter`` steps
-the gradients are not all-reduced and the replicas differ on purpose until the next averaging step. Then gradients
-are not checked, and a due parameter check waits for the next step that averaged the parameters (the averager's own
-step count says which, the same on every rank, so every rank still issues the same collectives).
-
-Model parallel (``ModelParallelStrategy``: FSDP2 and tensor parallel): parameters and gradients are DTensors, and
-ranks hold different shards on purpose. Each rank checksums its own shard, and a shard is compared only among the
-ranks that hold the same one (``distributed/shards.py``: ranks that differ only along the tensor's ``Replicate``
-mesh dimensions, or along world dimensions outside its mesh, such as the tensor-parallel peers of a parameter that
-FSDP2 alone shards). A tensor sharded over every rank has no peer and is not compared. The unused-parameter check is
-off there (FSDP2 accumulates the gradients itself), and the max |difference| is measured only for full replicas.
-
-Cost and collectives: ``diagnostics/replica_check.py`` (one all_gather per check point on a match; more only on a
-mismatch; the same on every rank, and none on off-steps).
+Every ``every_n_steps`` optimizer steps, on every rank: gradients after DDP's all-reduce (``on_before_optimizer_step``),
+parameters that got no gradient from this rank's backward, buffers as the step's first forward saw them, and
+parameters after the optimizer step. Local SGD (``comm=local_sgd``) skips the checks while the replicas differ on
+purpose (``diagnostics/local_sgd.py``); under ``ModelParallelStrategy`` each DTensor shard is compared only among the
+ranks holding the same one (``distributed/shards.py``). Collectives and cost: ``diagnostics/replica_check.py`` (one
+all_gather per check point on a match, none on off-steps). The full story: docs/sync_check.md.
 """
 
 from __future__ import annotations
@@ -214,15 +198,8 @@ class SyncCheck(L.Callback):
                 self._comparer.flags("no_local_grad", [n for n, _ in trainable], flags, [p for _, p in trainable])
             )
         if self.check_buffers and self._buffer_values is not None:
-            named = list(pl_module.named_buffers())
             groups.append(
-                TensorGroup(
-                    "buffer_mismatch",
-                    [n for n, _ in named],
-                    [b for _, b in named],
-                    self._buffer_values,
-                    like=[b for _, b in named],
-                )
+                self._comparer.snapshot_group("buffer_mismatch", list(pl_module.named_buffers()), self._buffer_values)
             )
         self._buffer_values = None
         self._params_due = self.check_params
@@ -307,23 +284,9 @@ class SyncCheck(L.Callback):
 
     @rank_zero_only
     def _write_summary(self, trainer: L.Trainer) -> None:
-        write_json(
-            reports_dir(trainer) / "sync_check.json",
-            {
-                "kind": "sync_check_summary",
-                "global_step": trainer.global_step,
-                "ranks": list(range(self.world_size)),
-                "active": self.active,
-                "every_n_steps": self.every_n_steps,
-                "mode": self.mode,
-                "on_mismatch": self.on_mismatch,
-                "checks": self.tally.checks,
-                "findings": self.tally.findings,
-                "tensors_checked": self.tally.tensors_checked,
-                "stopped": self.tally.stopped(self.on_mismatch),
-                "local_sgd": self._local_sgd.summary(),
-            },
-        )
+        options = {"every_n_steps": self.every_n_steps, "mode": self.mode, "on_mismatch": self.on_mismatch}
+        summary = self.tally.summary(trainer.global_step, self.world_size, self.active, options)
+        write_json(reports_dir(trainer) / "sync_check.json", {**summary, "local_sgd": self._local_sgd.summary()})
 
     def _log_step(self, pl_module: L.LightningModule) -> None:
         metrics = self.tally.take_step()

@@ -88,6 +88,10 @@ class ReplicaComparer:
             keys=[replica_key(t) for t in tensors] if self.sharded else None,
         )
 
+    def snapshot_group(self, kind: str, named: list[tuple[str, torch.Tensor]], values: torch.Tensor) -> TensorGroup:
+        """Tensors whose ``values`` were taken earlier (the buffers as the step's first forward saw them)."""
+        return TensorGroup(kind, [n for n, _ in named], [t for _, t in named], values, like=[t for _, t in named])
+
     def flags(self, kind: str, names: list[str], flags: list[int], like: list[torch.Tensor]) -> TensorGroup:
         """0/1 per tensor (e.g. got a gradient from this rank's backward), compared exactly in either mode."""
         dtype = torch.int64 if self.mode == "exact" else torch.float64

@@ -151,6 +151,20 @@ class Tally:
     def stopped(self, on_mismatch: str) -> bool:
         return on_mismatch == "stop" and any(self.findings[k] for k in SEVERE)
 
+    def summary(self, step: int, world_size: int, active: bool, options: dict[str, Any]) -> dict[str, Any]:
+        """The record of ``reports/sync_check.json``: what was checked and found over the run."""
+        return {
+            "kind": "sync_check_summary",
+            "global_step": step,
+            "ranks": list(range(world_size)),
+            "active": active,
+            **options,
+            "checks": self.checks,
+            "findings": self.findings,
+            "tensors_checked": self.tensors_checked,
+            "stopped": self.stopped(options["on_mismatch"]),
+        }
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "checks": self.checks,

@@ -10,6 +10,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lit_template.diagnostics.profiling.stats import GlobalWindow, RankWindow, percentile
@@ -89,6 +90,20 @@ def build_report(
     stragglers = [w.straggler for w in windows if w.straggler is not None]
     if stragglers:
         report["stragglers"] = _straggler_summary(stragglers)
+    return report
+
+
+def add_files(
+    report: dict[str, Any], stragglers_file: str, trace_files: Sequence[str], snapshot_files: Sequence[str]
+) -> dict[str, Any]:
+    """Names the files the run wrote beside the report: stragglers, rank zero's traces, memory snapshots."""
+    if "stragglers" in report:
+        report["stragglers"]["file"] = stragglers_file
+    if trace_files:
+        report["traces_dir"] = str(Path(trace_files[0]).parent)
+        report["traces"] = sorted(Path(p).name for p in trace_files)  # rank zero's; each rank writes its own
+    if snapshot_files:
+        report["memory_snapshots"] = sorted(Path(p).name for p in snapshot_files)
     return report
 
 

@@ -1,14 +1,43 @@
-"""What rank zero does with each gathered window: the ``perf/*`` metrics, the straggler record, memory alarms.
+"""Each log window: gathering every rank's row, then what rank zero does with it (the ``perf/*`` metrics, the
+straggler record, memory alarms).
 
-Pure functions of a ``GlobalWindow`` (no Trainer): ``ProfilingCallback`` logs what they return and writes the records.
+Apart from ``gather_ranks`` (one all_gather), pure functions of a ``GlobalWindow`` (no Trainer): ``ProfilingCallback``
+logs what they return and writes the records.
 """
 
 from __future__ import annotations
 
 import math
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
-from lit_template.diagnostics.profiling.stats import GlobalWindow
+import torch
+
+from lit_template.diagnostics.profiling.stats import GlobalWindow, RankWindow
+from lit_template.diagnostics.profiling.timer import StepRecord
+
+
+def gather_ranks(strategy: Any, mine: RankWindow, world_size: int, device: torch.device) -> list[RankWindow]:
+    """Every rank's window, in rank order: one all_gather of a float64 row per rank (every rank must call it)."""
+    if world_size == 1:
+        return [mine]
+    row = torch.tensor(mine.encode(), dtype=torch.float64, device=device)
+    gathered = strategy.all_gather(row).reshape(world_size, RankWindow.width())
+    return [RankWindow.decode(r) for r in gathered.cpu().tolist()]
+
+
+class OwnSeries:
+    """This rank's every measured step (for the plot and the report's exact percentiles), in compact arrays."""
+
+    def __init__(self) -> None:
+        self.steps, self.step_ms, self.wait_ms = array("l"), array("d"), array("d")
+
+    def extend(self, records: Sequence[StepRecord]) -> None:
+        for r in records:
+            self.steps.append(r.step)
+            self.step_ms.append(r.step_time_s * 1e3)
+            self.wait_ms.append(r.data_wait_s * 1e3)
 
 
 def _present(window: GlobalWindow, name: str) -> list[float]:
