@@ -36,3 +36,34 @@ class FailAboveLR(L.Callback):
         lr = trainer.optimizers[0].param_groups[0]["lr"]
         if lr > self.threshold:
             raise FloatingPointError(f"lr={lr} diverges (test: fails above {self.threshold})")
+
+
+class HookLog(L.Callback):
+    """Writes ``<run dir>/hooks.json``: the trainer's profiler class and, per training step, the per-step hooks
+    Lightning called on this callback with the LightningModule's ``_current_fx_name`` at each call."""
+
+    HOOKS = (
+        "on_train_batch_start",
+        "on_before_backward",
+        "on_after_backward",
+        "on_before_optimizer_step",
+        "on_before_zero_grad",
+        "on_train_batch_end",
+    )
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        for hook in self.HOOKS:
+            setattr(self, hook, self._recorder(hook))
+
+    def _recorder(self, hook: str):
+        def record(trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+            self.calls.append([hook, pl_module._current_fx_name, type(args[0]).__name__ if args else ""])
+
+        return record
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import json
+
+        payload = {"profiler": type(trainer.profiler).__name__, "calls": self.calls}
+        (Path(trainer.default_root_dir) / "hooks.json").write_text(json.dumps(payload))

@@ -16,6 +16,7 @@ from lit_template.distributed.comm import check_comm_config
 from lit_template.distributed.env import apply_env, check_launch_env
 from lit_template.distributed.launch import prepare_job_for_ddp_children
 from lit_template.errors import ConfigError
+from lit_template.lightning_compat import lean_hooks
 from lit_template.loggers import continue_runs
 from lit_template.utils import RankedLogger, instantiate_callbacks, instantiate_loggers, task_wrapper
 from lit_template.utils.rich_utils import print_config_tree
@@ -42,6 +43,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     check_checkpoint_callbacks(callbacks)
     loggers = instantiate_loggers(cfg.get("logger"))
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    if (cfg.get("extras") or {}).get("lean_hooks", True):
+        lean_hooks(trainer)
     return {
         "cfg": cfg,
         "datamodule": datamodule,

@@ -1,0 +1,123 @@
+"""``extras.lean_hooks`` (on by default): Lightning's per-step hook dispatch without the profiler contexts and the
+no-op callback hooks. The same hooks run in the same order, the run computes the same numbers, and a profiler
+asked for (``debug=profiler``) still sees every hook."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
+
+from lit_template.lightning_compat import NullProfiler, lean_hooks
+
+TESTS = Path(__file__).parent
+RUN = (
+    "trainer.max_epochs=1",
+    "test=false",
+    "extras.print_config=false",
+    "+callbacks.hooklog._target_=support_callbacks.HookLog",
+)
+
+
+class Recorder(L.Callback):
+    """Records every hook Lightning calls on it, with the arguments' types and the module's current hook name."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __getattribute__(self, name: str):
+        if name.startswith("on_") or name in ("setup", "teardown"):
+            calls = object.__getattribute__(self, "calls")
+
+            def record(trainer, pl_module, *args, **kwargs):
+                calls.append((name, pl_module._current_fx_name, tuple(type(a).__name__ for a in args)))
+
+            return record
+        return object.__getattribute__(self, name)
+
+
+class RecordingModel(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple] = []
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.seen.append(("on_train_batch_start", self._current_fx_name))
+
+    def on_before_optimizer_step(self, optimizer):
+        self.seen.append(("on_before_optimizer_step", self._current_fx_name))
+
+
+def fit(tmp_path: Path, lean: bool, profiler=None) -> tuple[L.Trainer, Recorder, RecordingModel]:
+    L.seed_everything(0)
+    recorder, model = Recorder(), RecordingModel()
+    trainer = L.Trainer(
+        default_root_dir=tmp_path,
+        max_steps=6,
+        limit_val_batches=2,
+        val_check_interval=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[L.Callback(), recorder],
+        profiler=profiler,
+    )
+    if lean:
+        assert lean_hooks(trainer) is (profiler is None)
+    trainer.fit(model)
+    return trainer, recorder, model
+
+
+def test_lean_dispatch_calls_the_same_hooks_in_the_same_order_with_the_same_arguments(tmp_path):
+    # the reference: a trainer lean_hooks leaves alone because it has a profiler (Lightning's own functions then)
+    ref_trainer, ref, ref_model = fit(tmp_path / "ref", lean=True, profiler=SimpleProfiler())
+    trainer, lean, lean_model = fit(tmp_path / "lean", lean=True)
+    assert isinstance(ref_trainer.profiler, SimpleProfiler) and type(trainer.profiler) is NullProfiler
+    assert len(lean.calls) > 50 and lean.calls == ref.calls
+    assert (
+        lean_model.seen == ref_model.seen
+        and ("on_before_optimizer_step", "on_before_optimizer_step") in lean_model.seen
+    )
+    assert [p.detach().sum().item() for p in lean_model.parameters()] == [
+        p.detach().sum().item() for p in ref_model.parameters()
+    ]
+    # the profiler that was asked for saw the callback hooks (lean_hooks left its path alone)
+    assert any(k.startswith("[Callback]") for k in ref_trainer.profiler.recorded_durations)
+
+
+def test_lean_hooks_leaves_a_trainer_with_a_profiler_or_switched_off_alone(tmp_path):
+    trainer = L.Trainer(default_root_dir=tmp_path, profiler="simple", logger=False)
+    assert lean_hooks(trainer) is False and isinstance(trainer.profiler, SimpleProfiler)
+    trainer, _, _ = fit(tmp_path, lean=False)
+    assert type(trainer.profiler) is PassThroughProfiler
+
+
+def hooks(run) -> dict:
+    return json.loads((run.run_dir() / "hooks.json").read_text())
+
+
+def losses(run) -> list[str]:
+    """The epoch's train and validation loss and accuracy, as logged (text: compared exactly)."""
+    rows = list(csv.DictReader((next(run.run_dir().rglob("metrics.csv"))).open()))
+    keys = ("train/loss", "train/acc", "val/loss", "val/acc")
+    return [r[k] for r in rows for k in keys if r.get(k)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_train_py_runs_lean_by_default_with_the_same_numbers_and_debug_profiler_sees_every_hook(train, tmp_path):
+    env = {"PYTHONPATH": str(TESTS)}
+    lean = train(*RUN, env=env, log_dir=tmp_path / "lean")
+    plain = train(*RUN, "extras.lean_hooks=false", env=env, log_dir=tmp_path / "plain")
+    assert hooks(lean)["profiler"] == "NullProfiler" and hooks(plain)["profiler"] == "PassThroughProfiler"
+    assert len(hooks(lean)["calls"]) > 100 and hooks(lean)["calls"] == hooks(plain)["calls"]
+    assert losses(lean) and losses(lean) == losses(plain)
+    profiled = train("debug=profiler", "extras.print_config=false", log_dir=tmp_path / "profiled")
+    # Lightning's simple profiler still times each callback's hooks and prints them
+    assert "[Callback]NonFiniteGuard.on_before_optimizer_step" in profiled.output, profiled.output[-3000:]
