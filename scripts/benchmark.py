@@ -56,6 +56,8 @@ LIGHTNING_COSTS = {
     ),
     # negative: what Lightning's own bar (redrawn 100 times a second, metrics read every step) costs on top
     "d-stockbar": ("the template's bar instead of Lightning's RichProgressBar", STOCK_BAR),
+    # negative: what Lightning's own hook dispatch (profiler contexts, no-op hooks) costs over extras.lean_hooks
+    "d-lean": ("Lightning's stock hook dispatch (extras.lean_hooks=false)", ["extras.lean_hooks=false"]),
 }
 # --per-callback: each one on alone against all off, in the same rounds (preemption saves through last_checkpoint)
 ALONE = {"preemption": ("last_checkpoint", "preemption")}
@@ -186,7 +188,7 @@ def summarize(result: dict, skip: int) -> tuple[float, float, float]:
     )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=100, help="digits training split repeated per epoch")
@@ -210,26 +212,27 @@ def main() -> None:
     parser.add_argument("--raw-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    if args.raw_worker:
-        t0 = float(os.environ.get("LT_BENCH_T0", time.time()))
-        if args.world == 1:
-            raw_worker(0, 1, args, 0, args.out, t0)
-        else:
-            import socket
 
-            import torch.multiprocessing as mp
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            mp.spawn(raw_worker, args=(args.world, args, port, args.out, t0), nprocs=args.world)
+def raw_main(args: argparse.Namespace) -> None:
+    """Variant (a) in its own process: the hand-written loop on 1 process or ``--world`` spawned ones."""
+    t0 = float(os.environ.get("LT_BENCH_T0", time.time()))
+    if args.world == 1:
+        raw_worker(0, 1, args, 0, args.out, t0)
         return
+    import socket
 
-    world = 2 if args.ddp else 1
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(args.threads)}
-    tmp = Path(tempfile.mkdtemp(prefix="lt-bench-"))
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(raw_worker, args=(args.world, args, port, args.out, t0), nprocs=args.world)
+
+
+def build_variants(args: argparse.Namespace, world: int, tmp: Path) -> tuple[dict[str, tuple[str, list[str]]], str]:
+    """{key: (label, command)} for every variant asked for, and a line saying what (c) and (d) turn off."""
     common = [
         *data_overrides(args),
         f"trainer.max_steps={args.steps}",
@@ -245,24 +248,14 @@ def main() -> None:
     own_off = [f"callbacks.{name}=null" for name in OWN_CALLBACKS if name in default_callbacks]
     sync_prof_off = [f"callbacks.{name}=null" for name in ("sync_check", "profiling") if name in default_callbacks]
     timer = ["+callbacks.bench._target_=lit_template.testing.bench.BenchStepTimes"]
-
+    raw = [sys.executable, __file__, "--raw-worker", f"--world={world}", f"--batch-size={args.batch_size}"]
+    raw += [f"--repeat={args.repeat}", f"--steps={args.steps}", f"--threads={args.threads}"]
+    train = [sys.executable, "train.py", *common]
     variants = {
-        "a": (
-            "raw PyTorch loop" + (" (DDP, torch.distributed)" if world > 1 else ""),
-            [
-                sys.executable,
-                __file__,
-                "--raw-worker",
-                f"--world={world}",
-                f"--batch-size={args.batch_size}",
-                f"--repeat={args.repeat}",
-                f"--steps={args.steps}",
-                f"--threads={args.threads}",
-            ],
-        ),
-        "b": ("train.py, default callbacks", [sys.executable, "train.py", *common, *timer]),
-        "c": ("train.py, sync check + profiling off", [sys.executable, "train.py", *common, *sync_prof_off, *timer]),
-        "d": ("train.py, all template callbacks off", [sys.executable, "train.py", *common, *own_off, *timer]),
+        "a": ("raw PyTorch loop" + (" (DDP, torch.distributed)" if world > 1 else ""), raw),
+        "b": ("train.py, default callbacks", [*train, *timer]),
+        "c": ("train.py, sync check + profiling off", [*train, *sync_prof_off, *timer]),
+        "d": ("train.py, all template callbacks off", [*train, *own_off, *timer]),
     }
     if args.per_callback:
         for name in OWN_CALLBACKS:
@@ -270,14 +263,16 @@ def main() -> None:
                 continue
             on = ALONE.get(name, (name,))
             off = [o for o in own_off if o.split("=")[0].removeprefix("callbacks.") not in on]
-            variants[f"d+{name}"] = (
-                f"all off but {' + '.join(on)}",
-                [sys.executable, "train.py", *common, *off, *timer],
-            )
+            variants[f"d+{name}"] = (f"all off but {' + '.join(on)}", [*train, *off, *timer])
     if args.lightning_costs:
         # what (d) still pays per step that is Lightning's and can be switched off or replaced, one at a time
         for key, (label, extra) in LIGHTNING_COSTS.items():
-            variants[key] = (label, [sys.executable, "train.py", *common, *own_off, *extra, *timer])
+            variants[key] = (label, [*train, *own_off, *extra, *timer])
+    return variants, f"(c) turns off: {', '.join(sync_prof_off)}; (d) turns off: {', '.join(own_off)}"
+
+
+def run_rounds(variants: dict, args: argparse.Namespace, tmp: Path, env: dict) -> dict[str, list[tuple]]:
+    """Every variant ``--rounds`` times, interleaved; per variant, per round (step ms, step CPU ms, first step s)."""
     per_round: dict[str, list[tuple[float, float, float]]] = {key: [] for key in variants}
     for round_ in range(args.rounds):
         # a b c d, then d c b a: a slow drift of the machine's speed falls on every variant alike
@@ -288,6 +283,18 @@ def main() -> None:
             cmd = cmd + ([f"--out={out}"] if key == "a" else [f"+callbacks.bench.out={out}"])
             print(f"round {round_ + 1}/{args.rounds}: ({key}) {label} ...", file=sys.stderr, flush=True)
             per_round[key].append(summarize(run_variant(label, cmd, out, env, tty=args.tty), args.skip))
+    return per_round
+
+
+def against(per_round: dict[str, list[tuple]], key: str, base: str, us: bool = False) -> list[float]:
+    """Per round, variant ``key`` against ``base`` in wall time: their ratio, or (``us``) key minus base in us."""
+    return [
+        (row[0] - ref[0]) * 1e3 if us else row[0] / ref[0]
+        for row, ref in zip(per_round[key], per_round[base], strict=True)
+    ]
+
+
+def report(variants: dict, per_round: dict[str, list[tuple]], args: argparse.Namespace, world: int) -> None:
     results = {
         key: tuple(statistics.median(column) for column in zip(*rows, strict=True)) for key, rows in per_round.items()
     }
@@ -298,7 +305,6 @@ def main() -> None:
         )
         for key, rows in per_round.items()
     }
-
     print(
         f"\nprocesses: {world}  batch size: {args.batch_size}  steps: {args.steps} (median over the last "
         f"{args.steps - args.skip - 1})  rounds: {args.rounds}  threads per process: {args.threads}  "
@@ -315,9 +321,9 @@ def main() -> None:
         print(f"{name:>9}: b/a = {ratios['b'][i]:.3f}   c/a = {ratios['c'][i]:.3f}   d/a = {ratios['d'][i]:.3f}")
     # the spread: the same ratio in each round (how far apart repeated measurements of one thing land)
     for key in ("b", "c", "d"):
-        per = [row[0] / base[0] for row, base in zip(per_round[key], per_round["a"], strict=True)]
+        per = against(per_round, key, "a")
         print(f"spread of {key}/a over the {args.rounds} rounds: {min(per):.3f} .. {max(per):.3f}")
-    b_over_d = [b[0] / d[0] for b, d in zip(per_round["b"], per_round["d"], strict=True)]
+    b_over_d = against(per_round, "b", "d")
     print(
         f"b/d (the template's own callbacks together): {statistics.median(b_over_d):.3f} "
         f"(rounds: {min(b_over_d):.3f} .. {max(b_over_d):.3f})"
@@ -326,7 +332,7 @@ def main() -> None:
     if alone:
         print("each callback on alone, against all off in the same round (median over rounds):")
         for key in alone:
-            us = [(row[0] - d[0]) * 1e3 for row, d in zip(per_round[key], per_round["d"], strict=True)]
+            us = against(per_round, key, "d", us=True)
             print(
                 f"  {key[2:]:<16} {statistics.median(us):>8.0f} us per step  (rounds: {min(us):.0f} .. {max(us):.0f})"
             )
@@ -336,10 +342,23 @@ def main() -> None:
             "Lightning's per-step work, against (d) in the same round (median over rounds; + is what (d) pays for it):"
         )
         for key in costs:
-            us = [(d[0] - row[0]) * 1e3 for row, d in zip(per_round[key], per_round["d"], strict=True)]
+            us = [-v for v in against(per_round, key, "d", us=True)]
             label = LIGHTNING_COSTS[key][0]
             print(f"  {label:<52} {statistics.median(us):>8.0f} us per step  (rounds: {min(us):.0f} .. {max(us):.0f})")
-    print(f"(c) turns off: {', '.join(sync_prof_off)}; (d) turns off: {', '.join(own_off)}")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.raw_worker:
+        raw_main(args)
+        return
+    world = 2 if args.ddp else 1
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(args.threads)}
+    tmp = Path(tempfile.mkdtemp(prefix="lt-bench-"))
+    variants, turned_off = build_variants(args, world, tmp)
+    per_round = run_rounds(variants, args, tmp, env)
+    report(variants, per_round, args, world)
+    print(turned_off)
     print(f"output on a {'pseudo-terminal (rich draws the bar)' if args.tty else 'pipe (rich draws nothing)'}")
 
 

@@ -61,3 +61,22 @@ def test_bench_callbacks_prints_the_ratio_and_each_callback():
     assert "as shipped / raw (b/a):" in proc.stdout and "step time of the hand-written loop (raw):" in proc.stdout
     for cls in GATED:
         assert f"  {cls}" in proc.stdout and "hooks" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_benchmark_py_prints_each_variant_and_lightnings_costs():
+    # one short round of every variant: (a) the hand-written loop, (b)-(d), and --lightning-costs' five
+    args = ["--batch-size", "64", "--steps", "12", "--skip", "2", "--rounds", "1", "--repeat", "2", "--lightning-costs"]
+    proc = subprocess.run(
+        [sys.executable, "scripts/benchmark.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for label in ("(a) raw PyTorch loop", "(b) train.py, default callbacks", "(d) train.py, all template callbacks"):
+        assert label in proc.stdout, proc.stdout
+    assert "wall time: b/a = " in proc.stdout and "b/d (the template's own callbacks together):" in proc.stdout
+    assert "Lightning's stock hook dispatch (extras.lean_hooks=false)" in proc.stdout, proc.stdout

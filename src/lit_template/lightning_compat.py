@@ -4,7 +4,9 @@ Each function says what it reaches into and why, and was checked against the pin
 upgrade Lightning or torch, read these first: a change there shows up here, not all over the package. Two uses are
 method overrides rather than calls: ``distributed.comm.CommDDPStrategy`` overrides ``DDPStrategy._register_ddp_hooks``
 (its body is ``register_ddp_comm_hook`` below), and ``models.parallel_compat.ModelParallelStrategy`` overrides
-``ModelParallelStrategy._configure_launcher`` (to check the mesh before any process starts).
+``ModelParallelStrategy._configure_launcher`` (to check the mesh before any process starts). ``lean_hooks``
+replaces three functions of ``lightning.pytorch.trainer.call`` (the per-step hook dispatch) for the whole process;
+they fall back to Lightning's own on any trainer that has a profiler.
 """
 
 from __future__ import annotations
