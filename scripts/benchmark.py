@@ -342,7 +342,7 @@ def report(variants: dict, per_round: dict[str, list[tuple]], args: argparse.Nam
             "Lightning's per-step work, against (d) in the same round (median over rounds; + is what (d) pays for it):"
         )
         for key in costs:
-            us = [-v for v in against(per_round, key, "d", us=True)]
+            us = against(per_round, "d", key, us=True)
             label = LIGHTNING_COSTS[key][0]
             print(f"  {label:<52} {statistics.median(us):>8.0f} us per step  (rounds: {min(us):.0f} .. {max(us):.0f})")
 
