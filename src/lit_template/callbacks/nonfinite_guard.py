@@ -1,10 +1,12 @@
 """Catch a NaN/Inf loss or gradient on any rank, in the step it happens, on every rank at once.
 
-Each rank keeps its micro-batches' losses (``on_before_backward``) and the sum of each gradient
-(``on_before_optimizer_step``, after DDP's all-reduce; a NaN/Inf anywhere makes the float64 sum non-finite). Then
-every rank, at every optimizer step, all-gathers that one small vector, so all ranks see the same picture and take
-the same decision: none waits in a collective the others skipped. With ``on_nonfinite=stop`` the vector is read on
-the host one step later (no host sync per step): every rank stops at that same step, before its update.
+Each rank keeps its micro-batches' losses (``on_before_backward``) and, after DDP's all-reduce
+(``on_before_optimizer_step``), copies its gradients and those losses into one flat buffer and sums it in float64 (a
+NaN/Inf anywhere makes the sum non-finite). Then every rank, at every optimizer step, all-gathers that short vector,
+so all ranks see the same picture and take the same decision: none waits in a collective the others skipped. Only
+when a value is not finite does a rank read its buffer to say which loss or gradient it was. With
+``on_nonfinite=stop`` the vector is read on the host one step later (no host sync per step): every rank stops at that
+same step, before its update.
 
 - ``on_nonfinite=stop``: every rank raises ``NonFiniteError`` naming the rank(s) and the step.
 - ``on_nonfinite=skip``: every rank drops its gradients, so ``optimizer.step()`` leaves the parameters (and Adam's
@@ -21,10 +23,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch._utils import _flatten_dense_tensors
 
 from lit_template.diagnostics.report import append_jsonl, reports_dir, say
 from lit_template.distributed.shards import local as local_shard
@@ -74,6 +76,7 @@ class PendingHostCopy:
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None
         self._view: Any = None
+        self._flat: Any = None  # the same memory as one row: all_finite() reads it without NumPy's ufuncs
         self._event: Any = None
         self._tag: Any = None  # what put() was given with the pending copy; None: nothing pending
         self._work: Any = None  # put_gathering: the async all_gather and the rows it fills
@@ -83,13 +86,15 @@ class PendingHostCopy:
         """The host buffer, made once before training (pinned when the tensors come from a GPU)."""
         self._host = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
         self._view = self._host.numpy()
+        self._flat = self._view.reshape(-1)
 
     def put(self, tensor: torch.Tensor, tag: Any) -> None:
-        """Copies ``tensor`` (to a new host buffer only if its shape or dtype changed); ``take`` gives ``tag`` back."""
-        on_cuda = tensor.device.type == "cuda"
-        if self._host is None or self._host.shape != tensor.shape or self._host.dtype != tensor.dtype:
-            self.allocate(tuple(tensor.shape), tensor.dtype, tensor.device)
-        self._host.copy_(tensor, non_blocking=on_cuda)
+        """Copies ``tensor``, rows of values or one row as a 1-D tensor (to a new host buffer only if its size or
+        dtype changed); ``take`` gives ``tag`` back."""
+        on_cuda = tensor.is_cuda
+        if self._host is None or self._host.numel() != tensor.numel() or self._host.dtype != tensor.dtype:
+            self.allocate((tensor.numel() // tensor.shape[-1], tensor.shape[-1]), tensor.dtype, tensor.device)
+        self._host.copy_(tensor, non_blocking=on_cuda)  # a 1-D row broadcasts into the (1, n) buffer
         if on_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
@@ -113,9 +118,85 @@ class PendingHostCopy:
         tag, self._tag, self._event, self._work, self._rows = self._tag, None, None, None, []
         return self._view, tag
 
+    def all_finite(self) -> bool:
+        """Whether every value ``take`` returned is finite: a Python sum of the floats is NaN/Inf exactly when one
+        of them is (float64 sums of float32 or narrower values, far from float64's range), and costs under a
+        microsecond where NumPy's isfinite + all costs 5-20 here."""
+        return math.isfinite(sum(self._flat.tolist()))
+
     def clear(self) -> None:
         # a gather in flight is dropped, not waited for: after a failure the other ranks may never send
         self._tag, self._event, self._work, self._rows = None, None, None, []
+
+
+# The small gradients (up to this many values in all) are copied into one flat tensor per step and summed in one op;
+# larger ones are summed one by one. 2**22 float32 values: a 16 MiB copy, beside gradients that are far larger.
+FLAT_MAX = 2**22
+
+
+class _Layout:
+    """Where one optimizer's gradients go each step, fixed at its first step (a parameter's shape does not change).
+
+    The step's vector is ``[sum of the flat copy, each large gradient's sum]``, float64: the flat copy holds the
+    small gradients, then the step's micro-batch losses, so one sum covers them all (a NaN/Inf anywhere makes it
+    non-finite; float64 does not overflow on float32/bf16 values). The copy is kept until the next step's, which is
+    made after the guard has read this step's vector, so when a value is not finite, ``locate`` reads it to say
+    which loss or gradient it was. A missing gradient counts as zeros.
+    """
+
+    def __init__(self, params: list[torch.Tensor], device: torch.device) -> None:
+        self.dtensor = any(local_shard(p) is not p for p in params)
+        self.small: list[tuple[int, torch.Tensor]] = []  # (position in params, parameter)
+        self.large: list[tuple[int, torch.Tensor]] = []
+        self.spans: list[tuple[int, int]] = []  # where each small gradient lies in the flat copy
+        numel = 0
+        for i, p in enumerate(params):
+            size = local_shard(p).numel()
+            if numel + size <= FLAT_MAX:
+                self.small.append((i, p))
+                self.spans.append((numel, numel + size))
+                numel += size
+            else:
+                self.large.append((i, p))
+        self.params, self.numel, self.device = params, numel, device
+        self.zeros: dict[int, torch.Tensor] = {}
+        self.flat: torch.Tensor | None = None  # the last step's copy
+
+    def step_vector(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The step's float64 vector, from device ops only (one copy and one sum, plus a sum per large gradient)."""
+        if self.dtensor:
+            parts = [self._zero(i) if p.grad is None else local_shard(p.grad) for i, p in self.small]
+        else:  # no call per parameter: the common case, inline
+            parts = [self._zero(i) if (g := p.grad) is None else g for i, p in self.small]
+        parts += losses
+        self.flat = None  # the last step's copy is read by now: not two alive at once
+        # torch's own (DDP's, the coalesced collectives'): the views and the cat in one call, not one op per tensor
+        self.flat = _flatten_dense_tensors(parts) if parts else torch.zeros(0, device=self.device)
+        if not self.large:
+            return self.flat.sum(0, dtype=torch.float64, keepdim=True)  # shape (1,): no reshape after it
+        total = self.flat.sum(dtype=torch.float64)
+        return torch.stack([total, *(self._grad_sum(p.grad) for _, p in self.large)])
+
+    def _zero(self, i: int) -> torch.Tensor:
+        # a parameter without a gradient (unused in this step): zeros in its place, made once
+        if i not in self.zeros:
+            self.zeros[i] = torch.zeros(local_shard(self.params[i]).numel(), device=self.device)
+        return self.zeros[i]
+
+    def _grad_sum(self, grad: torch.Tensor | None) -> torch.Tensor:
+        if grad is None:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return local_shard(grad).sum(dtype=torch.float64)
+
+    def locate(self, row: Any) -> tuple[list[float], int | None]:
+        """This rank's micro-batch losses at the step and the position (in the optimizer's parameters) of its first
+        non-finite gradient, or None. ``row`` is this rank's vector on the host. The failure path: it reads the
+        flat copy on the host (one device sync, once)."""
+        flat = self.flat.detach().cpu()
+        values = flat[self.numel :].double().tolist()
+        bad = [i for (i, _), (a, b) in zip(self.small, self.spans, strict=True) if not flat[a:b].isfinite().all()]
+        bad += [i for (i, _), v in zip(self.large, row[1:], strict=True) if not math.isfinite(float(v))]
+        return values, min(bad, default=None)
 
 
 class NonFiniteGuard(L.Callback):
@@ -134,67 +215,69 @@ class NonFiniteGuard(L.Callback):
             )
         self.on_nonfinite, self.check_grads = on_nonfinite, check_grads
         self._pending = PendingHostCopy()
-        self._reset()
-
-    def _reset(self) -> None:
+        self._world = 1  # trainer.world_size (a property of the strategy, read per step otherwise), set at start
+        self._layouts: dict[int, _Layout] = {}  # id(optimizer) -> where its gradients go
         self._losses: list[torch.Tensor] = []
 
     # No host sync in the hot path (a `bool(tensor)` per check would stall a GPU every micro-batch): per step the
-    # device makes one small vector (each micro-batch's loss, each gradient's sum), every rank gathers it, and the
-    # host reads it one step later and decides there. Few device ops: on the CPU each small op costs microseconds.
+    # device makes one small vector (one sum over the losses and the small gradients, one per large gradient), every
+    # rank gathers it, and the host reads it one step later and decides there. Few device ops: on the CPU each small
+    # op costs microseconds (a sum per parameter cost ~35 us a step at the default model, one flatten and sum ~14).
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
         # Called once per micro-batch: with gradient accumulation one bad micro-batch makes the step bad.
-        # float64 now: one dtype makes the step's torch.stack several times cheaper than a mixed one
         loss = loss.detach()
-        self._losses.append((loss if loss.dim() == 0 else loss.sum()).to(torch.float64))
+        self._losses.append(loss if loss.dim() == 0 else loss.sum())
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        parts, losses, params = self._losses, len(self._losses), []
-        self._reset()
-        if self.check_grads:
-            # A gradient holds a NaN/Inf exactly when its float64 sum is not finite (float64 does not overflow on
-            # float32/bf16 values). A DTensor gradient (model parallel): this rank's shard; a parameter without a
-            # gradient counts as finite. One value per parameter this optimizer steps: its param groups are a list
-            # (pl_module.parameters() walks every submodule, torchmetrics' hashing included: ~0.2 ms a step here)
-            params = _optimized(optimizer)
-            for p in params:
-                if p.grad is not None:
-                    parts.append(local_shard(p.grad).sum(dtype=torch.float64))
-                else:
-                    parts.append(torch.zeros((), dtype=torch.float64, device=pl_module.device))
-        if not parts:
+        losses, self._losses = self._losses, []
+        layout = self._layouts.get(id(optimizer))
+        if layout is None:
+            layout = self._layouts[id(optimizer)] = self._layout(optimizer, pl_module)
+        if not losses and not layout.params:
             return
-        # [the micro-batches' losses..., the gradients' sums...], float64: the same length on every rank
-        local = torch.stack(parts)
-        # every rank, every optimizer step, the same one collective
-        layout = (losses, trainer.global_step, params)
-        if self.on_nonfinite == "stop" and trainer.world_size > 1 and local.device.type == "cpu":
+        # the last step's values are read (stop mode) before this step's flat copy replaces the one that says which
+        # loss or gradient was bad
+        if self.on_nonfinite == "stop":
+            self._read_pending(trainer, pl_module, optimizer)
+        local = layout.step_vector(losses)
+        # every rank, every optimizer step, the same one collective; what _act needs to make sense of the values
+        tag = (layout, trainer.global_step)
+        if self.on_nonfinite == "stop" and self._world > 1 and not local.is_cuda:
             # gloo blocks the host for the whole all_gather (about 1 ms a step on 2 CPU processes here): issued
             # asynchronously, it runs behind the next step and is waited for when read, one step later
-            self._read_pending(trainer, pl_module, optimizer)
-            rows = [torch.empty_like(local) for _ in range(trainer.world_size)]
-            self._pending.put_gathering(rows, dist.all_gather(rows, local, async_op=True), layout)
+            rows = [torch.empty_like(local) for _ in range(self._world)]
+            self._pending.put_gathering(rows, dist.all_gather(rows, local, async_op=True), tag)
             return
-        values = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local
-        values = values.reshape(trainer.world_size, -1)
+        # one process: the vector as it is (put() takes a 1-D vector as one row)
+        values = trainer.strategy.all_gather(local).reshape(self._world, -1) if self._world > 1 else local
         if self.on_nonfinite == "skip":
             # the step's own update must be dropped, so its values are read now: one host sync per step
-            self._act(trainer, pl_module, optimizer, values.cpu().numpy(), layout)
+            host = values.cpu().reshape(self._world, -1).numpy()
+            if not math.isfinite(sum(host.ravel().tolist())):
+                self._act(trainer, pl_module, optimizer, host, tag)
             return
-        # stop: this step's values are copied to the host without waiting and read at the next step (or at train
-        # end), so no step waits for the device; every rank reads the same gathered values and stops at that step
-        self._read_pending(trainer, pl_module, optimizer)
-        self._pending.put(values, layout)
+        # stop: copied to the host without waiting and read at the next step (or at train end), so no step waits
+        # for the device; every rank reads the same gathered values and stops at that step
+        self._pending.put(values, tag)
+
+    def _layout(self, optimizer: torch.optim.Optimizer, pl_module: L.LightningModule) -> _Layout:
+        # The parameters this optimizer steps: its param groups are a list (pl_module.parameters() walks every
+        # submodule, torchmetrics' hashing included: ~0.2 ms a step here). A DTensor gradient (model parallel): this
+        # rank's shard.
+        return _Layout(_optimized(optimizer) if self.check_grads else [], pl_module.device)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._pending.clear()
-        # the host buffer, made here rather than in a step: a step's micro-batches and one value per parameter
-        params = len(_optimized(trainer.optimizers[0])) if self.check_grads and trainer.optimizers else 0
-        self._pending.allocate(
-            (trainer.world_size, trainer.accumulate_grad_batches + params), torch.float64, pl_module.device
-        )
+        self._world = trainer.world_size
+        self._losses = []
+        self._layouts = {}
+        large = 0
+        if trainer.optimizers:  # the buffers, made here rather than in a step
+            layout = self._layouts[id(trainer.optimizers[0])] = self._layout(trainer.optimizers[0], pl_module)
+            large = len(layout.large)
+        self._pending.allocate((self._world, 1 + large), torch.float64, pl_module.device)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._read_pending(trainer, pl_module, None)  # before validation runs on what the epoch's last step made
@@ -207,33 +290,36 @@ class NonFiniteGuard(L.Callback):
 
     def _read_pending(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         taken = self._pending.take()
-        if taken is not None:
+        if taken is not None and not self._pending.all_finite():
             self._act(trainer, pl_module, optimizer, *taken)
 
-    def _act(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any, values: Any, layout: tuple
-    ) -> None:
-        """Report and stop (or skip) when the gathered ``values`` (one row per rank, host memory: the step's
-        micro-batch losses, then each of ``params``' gradient sums) hold a NaN/Inf."""
-        losses, step, params = layout
-        finite = np.isfinite(values)
-        if finite.all():
-            return
-        loss_ranks = [r for r in range(values.shape[0]) if not finite[r, :losses].all()]
-        grad_ranks = [r for r in range(values.shape[0]) if not finite[r, losses:].all()]
+    def _act(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any, values: Any, tag: tuple) -> None:
+        """Report and stop (or skip): the gathered ``values`` (one row per rank, host memory) hold a NaN/Inf.
+
+        Every rank is here, at the same step (they all read the same values): each reads its own buffer to say
+        which of its losses or gradients was bad, and the ranks gather what they found (the failure path)."""
+        layout, step = tag
+        rank = trainer.global_rank
+        mine = layout.locate(values[rank])
+        found = [mine]
+        if self._world > 1:
+            found = [None] * self._world
+            dist.all_gather_object(found, mine)
+        loss_ranks = [r for r, (ls, _) in enumerate(found) if not all(map(math.isfinite, ls))]
+        grad_ranks = [r for r, (_, first) in enumerate(found) if first is not None]
         what, ranks = ("loss", loss_ranks) if loss_ranks else ("grad", grad_ranks)
         tensor = None
         if what == "grad":
-            first = int(np.argmin(finite[ranks[0], losses:]))  # the first parameter whose gradient is not finite
+            first = found[ranks[0]][1]  # the first parameter whose gradient is not finite
             names = {id(p): name for name, p in pl_module.named_parameters()}
-            tensor = names.get(id(params[first]), f"parameter {first} of the optimizer")
+            tensor = names.get(id(layout.params[first]), f"parameter {first} of the optimizer")
         event = NonFiniteEvent(
             kind="nonfinite",
             global_step=step,
             ranks=ranks,
             what=what,
             tensor=tensor,
-            loss={str(r): _step_loss(values[r, :losses], finite[r, :losses]) for r in range(values.shape[0])},
+            loss={str(r): _step_loss(ls) for r, (ls, _) in enumerate(found)},
             action=self.on_nonfinite,
             stopped_at=trainer.global_step if self.on_nonfinite == "stop" else None,
         )
@@ -255,11 +341,11 @@ def _optimized(optimizer: Any) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _step_loss(losses: Any, finite: Any) -> float:
+def _step_loss(losses: list[float]) -> float:
     """A rank's loss at the step: its first non-finite micro-batch loss, else the last one (-1: none recorded)."""
-    if not len(losses):
+    if not losses:
         return -1.0
-    return float(losses[int(np.argmin(finite))] if not finite.all() else losses[-1])
+    return next((v for v in losses if not math.isfinite(v)), losses[-1])
 
 
 def _json_safe(record: dict[str, Any]) -> dict[str, Any]:
