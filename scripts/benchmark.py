@@ -37,6 +37,7 @@ OWN_CALLBACKS = (
     "rng_state",
     "last_checkpoint",
     "preemption",
+    "garbage_collection",
 )
 # --lightning-costs: (d) with one piece of Lightning's per-step work removed (or, for the stock bar, put back)
 STOCK_BAR = [

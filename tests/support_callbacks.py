@@ -67,3 +67,57 @@ class HookLog(L.Callback):
 
         payload = {"profiler": type(trainer.profiler).__name__, "calls": self.calls}
         (Path(trainer.default_root_dir) / "hooks.json").write_text(json.dumps(payload))
+
+
+class GcProbe(L.Callback):
+    """Writes ``<run dir>/gc_probe/rank<R>.json``: per training batch whether Python's automatic collector was on and
+    how many objects were frozen, every collection (generation, global step) from train start to train end, and the
+    collector's state after fit. Put it after ``garbage_collection`` so its hooks see that callback's work."""
+
+    def __init__(self) -> None:
+        self.batches: list[dict] = []
+        self.collections: list[dict] = []
+        self.epoch_ends: list[int] = []
+        self._trainer: L.Trainer | None = None
+
+    def _seen(self, phase: str, info: dict) -> None:
+        if phase == "start" and self._trainer is not None:
+            # batches: how many training batches had ended (after the last one the collector is back on)
+            self.collections.append(
+                {
+                    "generation": info["generation"],
+                    "global_step": self._trainer.global_step,
+                    "batches": len(self.batches),
+                }
+            )
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import gc
+
+        self._trainer = trainer
+        gc.callbacks.append(self._seen)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        import gc
+
+        self.batches.append(
+            {"global_step": trainer.global_step, "enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
+        )
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.epoch_ends.append(trainer.global_step)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import gc
+        import json
+
+        gc.callbacks.remove(self._seen)
+        out = Path(trainer.default_root_dir) / "gc_probe"
+        out.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "batches": self.batches,
+            "collections": self.collections,
+            "epoch_ends": self.epoch_ends,
+            "after_fit": {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()},
+        }
+        (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(payload))

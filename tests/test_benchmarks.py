@@ -80,3 +80,34 @@ def test_benchmark_py_prints_each_variant_and_lightnings_costs():
         assert label in proc.stdout, proc.stdout
     assert "wall time: b/a = " in proc.stdout and "b/d (the template's own callbacks together):" in proc.stdout
     assert "Lightning's stock hook dispatch (extras.lean_hooks=false)" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_bench_callbacks_totals_prints_the_intervals():
+    args = ["--batch-size", "64", "--block-steps", "3", "--cycles", "4", "--totals"]
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_callbacks.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "all / none (the template's own callbacks together):" in proc.stdout, proc.stdout
+    # both ratios with a target (all / none and b/a) get the bootstrap interval of their median
+    assert proc.stdout.count("median's 95% interval") == 2, proc.stdout
+    assert "as shipped / raw (b/a):" in proc.stdout and "hooks" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_gc_compares_the_schedule_with_pythons_collector():
+    args = ["--batch-size", "64", "--steps", "30", "--skip", "2", "--rounds", "1"]
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_gc.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=280
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line.strip()}
+    assert "scheduled" in lines and "automatic" in lines, proc.stdout
+    assert "automatic / scheduled, mean step:" in proc.stdout, proc.stdout
+    # the schedule disables Python's collector during the steps: no generation-0 pass in the scheduled run
+    scheduled_counts = lines["scheduled"].rsplit("[", 1)[1].rstrip("]").split(",")
+    assert int(scheduled_counts[0]) == 0, lines["scheduled"]
+    assert "one-off cost at train start" in proc.stdout

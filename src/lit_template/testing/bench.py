@@ -77,6 +77,54 @@ class BenchStepTimes(L.Callback):
             self.clock.dump(self.out, global_step=trainer.global_step)
 
 
+class BenchGcTimes(BenchStepTimes):
+    """``BenchStepTimes`` plus, from train start to the end of the first training epoch (scripts/bench_gc.py's runs are
+    one epoch, the schedule's full pass at its end included), every garbage collection: per generation how many and
+    the seconds they took (``gc.callbacks``). Not past it: at train end the schedule gives the collector back and its
+    automatic passes then are not the steps'. Every rank writes ``<out>.rank<R>``."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__(out)
+        self.gc_count = [0, 0, 0]
+        self.gc_s = [0.0, 0.0, 0.0]
+        self.gc_max_s = 0.0
+        self._gc_start: float | None = None
+
+    def _seen(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            took = time.perf_counter() - self._gc_start
+            self.gc_count[info["generation"]] += 1
+            self.gc_s[info["generation"]] += took
+            self.gc_max_s = max(self.gc_max_s, took)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import gc
+
+        gc.callbacks.append(self._seen)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.on_train_end(trainer, pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import gc
+
+        if self._seen in gc.callbacks:
+            gc.callbacks.remove(self._seen)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        schedule = [c for c in trainer.callbacks if type(c).__name__ == "GarbageCollection"]
+        self.clock.dump(
+            f"{self.out}.rank{trainer.global_rank}",
+            gc_start_ms=schedule[0].start_ms if schedule else None,
+            global_step=trainer.global_step,
+            gc_count=self.gc_count,
+            gc_s=self.gc_s,
+            gc_max_s=self.gc_max_s,
+        )
+
+
 # the hooks Lightning calls on every callback at every training batch (per micro-batch or per optimizer step)
 HOOKS = (
     "on_train_batch_start",
@@ -113,13 +161,15 @@ class CallbackGate(L.Callback):
         block_steps: steps per block (>= 2).
         out: JSON file rank zero writes at the end of fit: per phase, per cycle, the kept step times in seconds.
         raw: add the ``raw`` phase (1 process, a LitModule with ``net`` and ``(x, y)`` batches of class indices).
+        alone: add the ``only:<class>`` phases; without them a cycle is short (``all``, ``none``, maybe ``raw``), so
+            the ratios between them come from blocks a fraction of a second apart.
     """
 
-    def __init__(self, classes: list[str], block_steps: int, out: str, raw: bool = False) -> None:
+    def __init__(self, classes: list[str], block_steps: int, out: str, raw: bool = False, alone: bool = True) -> None:
         if block_steps < 2:
             raise ValueError(f"CallbackGate: block_steps must be >= 2, got {block_steps}")
         self.classes, self.block_steps, self.out = list(classes), block_steps, out
-        self.phases = [*(["raw"] if raw else []), "all", "none", *[f"only:{c}" for c in self.classes]]
+        self.phases = [*(["raw"] if raw else []), "all", "none", *[f"only:{c}" for c in self.classes if alone]]
         self.times: dict[str, list[list[float]]] = {p: [] for p in self.phases}
         self._full: list[L.Callback] = []
         self._gated: dict[str, L.Callback] = {}
