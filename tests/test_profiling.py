@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, Run, run_script
 
 from lit_template.callbacks.profiling import ProfilingCallback
-from lit_template.diagnostics.profiling.stats import WindowStats, find_straggler, percentile
+from lit_template.diagnostics.profiling.stats import ResidentMemory, WindowStats, find_straggler, percentile
 from lit_template.diagnostics.profiling.timer import CpuClock, StepTimer
 from lit_template.errors import ConfigError
 
@@ -333,3 +333,25 @@ def test_a_memory_snapshot_on_the_cpu_fails_at_start_naming_the_option(train):
     assert run.returncode == 2, run.output[-2000:]
     assert "callbacks.profiling.memory_snapshot.enabled=true needs a CUDA device" in run.output
     assert "Traceback" not in run.output
+
+
+def test_resident_memory_reads_what_psutil_reads_and_follows_a_fork():
+    import os
+
+    import psutil
+
+    resident = ResidentMemory()
+    # the same /proc field psutil parses; the process may grow a page between the two reads
+    assert abs(resident.bytes() - psutil.Process().memory_info().rss) < 16 * 2**20
+    ballast = bytearray(64 * 2**20)  # 64 MiB touched: the figure follows the process, it is not read once
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    assert abs(resident.bytes() - psutil.Process().memory_info().rss) < 16 * 2**20
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child's own figure, not the parent's through the inherited descriptor
+        ok = abs(resident.bytes() - psutil.Process().memory_info().rss) < 16 * 2**20
+        os.write(write, b"1" if ok and resident._pid == os.getpid() else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
+    del ballast

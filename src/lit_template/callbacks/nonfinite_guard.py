@@ -77,6 +77,7 @@ class PendingHostCopy:
         self._host: torch.Tensor | None = None
         self._view: Any = None
         self._flat: Any = None  # the same memory as one row: all_finite() reads it without NumPy's ufuncs
+        self._row: torch.Tensor | None = None  # the same memory as a tensor vector, for row()
         self._event: Any = None
         self._tag: Any = None  # what put() was given with the pending copy; None: nothing pending
         self._work: Any = None  # put_gathering: the async all_gather and the rows it fills
@@ -87,6 +88,7 @@ class PendingHostCopy:
         self._host = torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
         self._view = self._host.numpy()
         self._flat = self._view.reshape(-1)
+        self._row = self._host.view(-1)
 
     def put(self, tensor: torch.Tensor, tag: Any) -> None:
         """Copies ``tensor``, rows of values or one row as a 1-D tensor (to a new host buffer only if its size or
@@ -98,6 +100,17 @@ class PendingHostCopy:
         if on_cuda:
             self._event = torch.cuda.Event()
             self._event.record()
+        self._tag = tag
+
+    def row(self, values: int) -> torch.Tensor:
+        """One CPU process: the host buffer as a float64 vector of ``values``, for a reduction to write into
+        (``out=``), so there is no copy at all; then ``hold`` marks it pending."""
+        if self._row is None or self._row.numel() != values or self._host.shape[0] != 1:
+            self.allocate((1, values), torch.float64, torch.device("cpu"))
+        return self._row
+
+    def hold(self, tag: Any) -> None:
+        """What ``row`` gave is written: ``take`` reads it and gives ``tag`` back."""
         self._tag = tag
 
     def put_gathering(self, rows: list[torch.Tensor], work: Any, tag: Any) -> None:
@@ -162,8 +175,9 @@ class _Layout:
         self.zeros: dict[int, torch.Tensor] = {}
         self.flat: torch.Tensor | None = None  # the last step's copy
 
-    def step_vector(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The step's float64 vector, from device ops only (one copy and one sum, plus a sum per large gradient)."""
+    def step_vector(self, losses: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's float64 vector, from device ops only (one copy and one sum, plus a sum per large gradient);
+        with ``out`` (a float64 vector of ``1 + len(self.large)`` values) written into it."""
         if self.dtensor:
             parts = [self._zero(i) if p.grad is None else local_shard(p.grad) for i, p in self.small]
         else:  # no call per parameter: the common case, inline
@@ -172,10 +186,13 @@ class _Layout:
         self.flat = None  # the last step's copy is read by now: not two alive at once
         # torch's own (DDP's, the coalesced collectives'): the views and the cat in one call, not one op per tensor
         self.flat = _flatten_dense_tensors(parts) if parts else torch.zeros(0, device=self.device)
-        if not self.large:
-            return self.flat.sum(0, dtype=torch.float64, keepdim=True)  # shape (1,): no reshape after it
+        if not self.large:  # shape (1,): no reshape after it
+            if out is None:
+                return self.flat.sum(0, dtype=torch.float64, keepdim=True)
+            return torch.sum(self.flat, 0, dtype=torch.float64, keepdim=True, out=out)
         total = self.flat.sum(dtype=torch.float64)
-        return torch.stack([total, *(self._grad_sum(p.grad) for _, p in self.large)])
+        sums = [total, *(self._grad_sum(p.grad) for _, p in self.large)]
+        return torch.stack(sums) if out is None else torch.stack(sums, out=out)
 
     def _zero(self, i: int) -> torch.Tensor:
         # a parameter without a gradient (unused in this step): zeros in its place, made once
@@ -216,6 +233,7 @@ class NonFiniteGuard(L.Callback):
         self.on_nonfinite, self.check_grads = on_nonfinite, check_grads
         self._pending = PendingHostCopy()
         self._world = 1  # trainer.world_size (a property of the strategy, read per step otherwise), set at start
+        self._on_cpu = True
         self._layouts: dict[int, _Layout] = {}  # id(optimizer) -> where its gradients go
         self._losses: list[torch.Tensor] = []
 
@@ -241,9 +259,15 @@ class NonFiniteGuard(L.Callback):
         # loss or gradient was bad
         if self.on_nonfinite == "stop":
             self._read_pending(trainer, pl_module, optimizer)
-        local = layout.step_vector(losses)
-        # every rank, every optimizer step, the same one collective; what _act needs to make sense of the values
+        # what _act needs to make sense of the values
         tag = (layout, trainer.global_step)
+        if self.on_nonfinite == "stop" and self._world == 1 and self._on_cpu:
+            # one CPU process: the sum lands in the host buffer itself, read at the next step (no copy, no gather)
+            layout.step_vector(losses, out=self._pending.row(1 + len(layout.large)))
+            self._pending.hold(tag)
+            return
+        local = layout.step_vector(losses)
+        # every rank, every optimizer step, the same one collective
         if self.on_nonfinite == "stop" and self._world > 1 and not local.is_cuda:
             # gloo blocks the host for the whole all_gather (about 1 ms a step on 2 CPU processes here): issued
             # asynchronously, it runs behind the next step and is waited for when read, one step later
@@ -271,6 +295,7 @@ class NonFiniteGuard(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._pending.clear()
         self._world = trainer.world_size
+        self._on_cpu = pl_module.device.type == "cpu"
         self._losses = []
         self._layouts = {}
         large = 0

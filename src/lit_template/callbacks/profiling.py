@@ -31,6 +31,7 @@ from lit_template.diagnostics.profiling.stats import (
     GlobalWindow,
     MemoryStats,
     RankWindow,
+    ResidentMemory,
     WindowStats,
     batch_counts,
     find_straggler,
@@ -120,7 +121,7 @@ class ProfilingCallback(L.Callback):
         self._reported = False
         self._memory_alarms = MemoryAlarms()
         self._trainer: L.Trainer | None = None
-        self._process: Any = None
+        self._resident: ResidentMemory | None = None
 
     # -- setup --------------------------------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -139,9 +140,7 @@ class ProfilingCallback(L.Callback):
                 f"{self._device.type}: set it to false or use a GPU trainer"
             )
         self._timer = StepTimer(CudaClock(self._device) if on_cuda else CpuClock(self._now))
-        import psutil
-
-        self._process = psutil.Process()
+        self._resident = ResidentMemory()
         self._flops.find_peak(self._device, compute_dtype(trainer), OPTION)
 
     # -- the loop -----------------------------------------------------------------------------------------------------
@@ -229,7 +228,7 @@ class ProfilingCallback(L.Callback):
     def _emit(self, trainer: L.Trainer) -> None:
         records = self._timer.take()
         self._own.extend(records)
-        memory = MemoryStats.sample(self._device, self._process)
+        memory = MemoryStats.sample(self._device, self._resident)
         mine = RankWindow(self._global_rank, WindowStats.from_records(records), memory)
         ranks = gather_ranks(trainer.strategy, mine, self._world_size, self._device)
         if trainer.is_global_zero:
