@@ -36,7 +36,7 @@ format:  ## fix what ruff can fix, then format
 	.venv/bin/ruff check --fix .
 	.venv/bin/ruff format .
 
-bench:  ## the template versus a hand-written loop (1 process, then 2 over gloo), each callback's own overhead, GPT tokens/s
+bench:  ## the template versus a hand-written loop (1 process, then 2 over gloo), each callback's own overhead, the garbage collector's schedule, GPT tokens/s
 	$(PY) scripts/benchmark.py --batch-size 256 --per-callback
 	$(PY) scripts/benchmark.py --batch-size 1024 --per-callback --lightning-costs --tty
 	$(PY) scripts/benchmark.py --batch-size 4096
@@ -45,6 +45,10 @@ bench:  ## the template versus a hand-written loop (1 process, then 2 over gloo)
 	$(PY) scripts/bench_callbacks.py --batch-size 1024 --cycles 16
 	$(PY) scripts/bench_callbacks.py --batch-size 4096 --cycles 6
 	$(PY) scripts/bench_callbacks.py --batch-size 1024 --cycles 8 --ddp
+	$(PY) scripts/bench_callbacks.py --batch-size 1024 --totals
+	$(PY) scripts/bench_callbacks.py --batch-size 256 --totals
+	$(PY) scripts/bench_gc.py
+	$(PY) scripts/bench_gc.py --ddp
 	$(PY) scripts/bench_sync_check.py
 	OMP_NUM_THREADS=1 $(PY) scripts/bench_profiling.py
 	$(PY) scripts/bench_hang_doctor.py

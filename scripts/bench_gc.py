@@ -37,8 +37,8 @@ def run(variant: str, args: argparse.Namespace, tmp: Path, round_: int) -> dict:
         str(ROOT / "train.py"),
         *(["trainer=ddp_cpu"] if args.ddp else []),
         f"data.batch_size={args.batch_size}",
-        # one epoch longer than the run: no validation or epoch end inside the measured steps
-        f"data.train_repeat={max(1, args.steps * args.batch_size // 1000 + 1)}",
+        # one epoch longer than the run (each of the ranks gets its share): no validation or epoch end inside it
+        f"data.train_repeat={max(1, args.steps * args.batch_size * (2 if args.ddp else 1) // 1000 + 1)}",
         f"trainer.max_steps={args.steps}",
         "trainer.max_epochs=1",
         "test=false",

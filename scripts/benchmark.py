@@ -12,12 +12,16 @@ the median wall time between consecutive training-iteration starts (fetch + forw
 with warm-up steps and epoch boundaries (validation) left out. Same model (conf/model/mlp.yaml), data (digits,
 repeated so an epoch is long), batch size, steps and intra-op threads everywhere. The variants run in turn, --rounds
 times (a b c d, d c b a, ...), so a busy or slow spell of the machine falls on all of them; each ratio is taken within
-a round and the median over rounds is printed.
+a round and the median over rounds is printed. The hand-written loop (a) collects garbage on the schedule train.py
+ships (callbacks.garbage_collection: a freeze, Python's automatic collector off, the young generations every 50
+steps; --raw-automatic-gc: Python's own), so b/a does not count that schedule's win; (d) has it off with the other
+template callbacks, so d runs Python's automatic collector (scripts/bench_gc.py measures the difference).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -102,6 +106,12 @@ def raw_worker(rank: int, world: int, args: argparse.Namespace, port: int, out: 
         sampler = DistributedSampler(dm.data_train, num_replicas=world, rank=rank, shuffle=True)
         loader = DataLoader(dm.data_train, batch_size=cfg.data.batch_size, sampler=sampler)
     loss_fn = nn.CrossEntropyLoss()
+    if not args.raw_automatic_gc:
+        # the same work as train.py's callbacks.garbage_collection (on by default): one full pass and a freeze, then
+        # the young generations every 50 steps, so b/a compares the loops and not Python's collector
+        gc.collect()
+        gc.freeze()
+        gc.disable()
     clock = StepClock(t0)
     step, epoch = 0, 0
     loss_sum, correct, seen = torch.zeros(()), torch.zeros((), dtype=torch.long), 0
@@ -122,6 +132,8 @@ def raw_worker(rank: int, world: int, args: argparse.Namespace, port: int, out: 
             optimizer.step()
             clock.first_step_done()
             step += 1
+            if step % 50 == 0 and not args.raw_automatic_gc:
+                gc.collect(1)
             if step >= args.steps:
                 break
         clock.epoch_boundary()
@@ -210,6 +222,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--tty", action="store_true", help="run every variant on a pseudo-terminal, as a user does (rich draws its bar)"
     )
+    parser.add_argument(
+        "--raw-automatic-gc",
+        action="store_true",
+        help="the hand-written loop keeps Python's automatic garbage collector (default: the schedule train.py ships)",
+    )
     parser.add_argument("--raw-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -251,6 +268,7 @@ def build_variants(args: argparse.Namespace, world: int, tmp: Path) -> tuple[dic
     timer = ["+callbacks.bench._target_=lit_template.testing.bench.BenchStepTimes"]
     raw = [sys.executable, __file__, "--raw-worker", f"--world={world}", f"--batch-size={args.batch_size}"]
     raw += [f"--repeat={args.repeat}", f"--steps={args.steps}", f"--threads={args.threads}"]
+    raw += ["--raw-automatic-gc"] if args.raw_automatic_gc else []
     train = [sys.executable, "train.py", *common]
     variants = {
         "a": ("raw PyTorch loop" + (" (DDP, torch.distributed)" if world > 1 else ""), raw),
