@@ -104,3 +104,46 @@ class GPTLossOnBar(GPT):
         loss = self.model_step(batch)
         self.log("train/loss_step", loss.detach(), on_step=True, on_epoch=False, prog_bar=True)
         return loss
+
+
+class CudaSyncDebug(L.Callback):
+    """On a GPU: ``torch.cuda.set_sync_debug_mode("error")`` from a training batch's start until the next one's (its
+    optimizer step, Lightning's logging and the progress bar after it, the next batch's copy to the device), so any
+    synchronising CUDA call there raises and fails the run. Off for the first ``warmup`` steps (lazy CUDA and cuBLAS
+    set-up), at log steps, at the sync check's steps (every ``sync_every``), at an epoch's last batch and outside the
+    training batches (validation, epoch ends). Rank zero writes ``{"checked": [steps], "steps": S}`` to ``out``."""
+
+    def __init__(self, out: str, warmup: int = 3, sync_every: int = 100) -> None:
+        self.out = Path(out)
+        self.warmup, self.sync_every = warmup, sync_every
+        self.checked: list[int] = []
+
+    def _set(self, on: bool) -> None:
+        if torch.cuda.is_available():  # on the CPU only the choice of steps runs (its own test)
+            torch.cuda.set_sync_debug_mode("error" if on else "default")
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        loop = trainer.fit_loop.epoch_loop
+        step = trainer.global_step
+        log_step = (loop._batches_that_stepped + 1) % trainer.log_every_n_steps == 0
+        last = loop.batch_progress.is_last_batch
+        # the sync check compares replicas when the step it is about to make is a multiple of sync_every
+        sync_step = (step + 1) % self.sync_every == 0 or step % self.sync_every == 0
+        quiet = step >= self.warmup and not (log_step or last or sync_step)
+        self._set(quiet)
+        if quiet:
+            self.checked.append(step)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._set(False)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._set(False)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._set(False)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._set(False)
+        if trainer.is_global_zero:
+            self.out.write_text(json.dumps({"checked": self.checked, "steps": trainer.global_step}))

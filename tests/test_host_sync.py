@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 TESTS = Path(__file__).parent
 RUN = (
@@ -74,3 +75,35 @@ def test_a_step_value_logged_for_the_progress_bar_is_read_every_step_by_lightnin
     per_step = outside_log_steps(data, "lightning")
     assert len(per_step) >= 80, (per_step, data["where"])
     assert any("apply_func.py" in where and "to_item" in where for where in data["where"]), data["where"]
+
+
+def sync_debug(train, tmp_path, *overrides: str) -> dict:
+    out = tmp_path / "sync_debug.json"
+    train(
+        *RUN[:-1],  # not the host-read counter: its wrappers are Python, not CUDA calls
+        "+callbacks.syncdebug._target_=host_reads.CudaSyncDebug",
+        f"+callbacks.syncdebug.out={out}",
+        *overrides,
+        env={"PYTHONPATH": str(TESTS)},
+        timeout=280,
+    )
+    data = json.loads(out.read_text())
+    assert data["steps"] >= 100 and len(data["checked"]) >= 70, data
+    return data
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.set_sync_debug_mode)")
+def test_no_synchronising_cuda_call_outside_log_steps_on_a_gpu(train, tmp_path):
+    # a synchronising call in a checked step raises inside the run, which then fails; bf16-mixed: 16-mixed's
+    # GradScaler reads its found-inf flag on the host once a step (torch.amp's own .item())
+    sync_debug(train, tmp_path, "trainer=gpu", "trainer.precision=bf16-mixed")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_sync_debug_window_leaves_out_log_steps_and_the_sync_checks_steps(train, tmp_path):
+    # what the GPU test above checks, on the CPU (where set_sync_debug_mode needs a driver): the steps it covers
+    checked = sync_debug(train, tmp_path)["checked"]
+    assert not [s for s in checked if (s + 1) % 10 == 0 or s % 100 == 0 or (s + 1) % 100 == 0 or s < 3], checked
