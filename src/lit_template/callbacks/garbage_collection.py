@@ -3,7 +3,7 @@
 Left to itself, CPython's collector runs whenever enough objects were allocated: a few young collections per step
 (Lightning's loop allocates thousands of small objects a step) and, every few hundred steps, a full pass over every
 object the process holds (500,000 after importing torch, Lightning and Hydra: about 0.25 s on this project's CPU
-machine, so about 2 ms a step on average at batch 1024, see docs/benchmarks.md). Under DDP each rank's collector fires
+machine, so 1.5-2 ms a step on average at batch 1024, see docs/benchmarks.md). Under DDP each rank's collector fires
 at its own moment, and the other ranks wait for it at the next gradient all-reduce.
 
 This callback, at the start of fit: one full collection, then ``gc.freeze()`` (the objects alive now, the libraries'
