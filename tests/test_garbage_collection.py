@@ -52,13 +52,18 @@ def test_without_it_python_collects_whenever_its_thresholds_say(train):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_every_rank_collects_at_the_same_steps_under_ddp(train):
-    run = train("trainer=ddp_cpu", "trainer.max_steps=110", *PROBE, env={"PYTHONPATH": str(TESTS)}, timeout=200)
+    # full passes at steps 40 and 80 on both ranks, whether or not an epoch ends there
+    gc_options = "callbacks.garbage_collection.full_every_n_steps=40"
+    run = train(
+        "trainer=ddp_cpu", "trainer.max_steps=110", gc_options, *PROBE, env={"PYTHONPATH": str(TESTS)}, timeout=200
+    )
     seen = [probe(run, r) for r in (0, 1)]
     ranks = [
         [(c["generation"], c["global_step"]) for c in s["collections"] if c["batches"] < len(s["batches"])]
         for s in seen
     ]
     assert [c for c in ranks[0] if c[0] == 1] == [(1, 50), (1, 100)]
+    assert (2, 40) in ranks[0] and (2, 80) in ranks[0]
     assert ranks[0] == ranks[1]
 
 
@@ -158,6 +163,15 @@ def test_without_an_interval_only_the_freeze_applies(tmp_path):
     assert gc.get_freeze_count() == 0
 
 
+def test_a_long_epoch_gets_a_full_pass_every_full_every_n_steps(tmp_path):
+    callback = GarbageCollection(every_n_steps=2, full_every_n_steps=6, warn_ms=1e-6)  # every collection recorded
+    fit(tmp_path, callback, Tiny(), steps=14)  # one epoch of 16 batches: no epoch end before step 14
+    records = [json.loads(line) for line in (tmp_path / "reports" / "gc.jsonl").read_text().splitlines()]
+    steps = {g: [r["global_step"] for r in records if r["generation"] == g] for g in (1, 2)}
+    assert steps[1] == [2, 4, 8, 10, 14]  # step 6 and 12: the full pass instead
+    assert steps[2] == [6, 12, 14]  # and the epoch's end (max_steps) at 14
+
+
 def test_a_slow_collection_is_said_with_rank_step_and_generation(tmp_path, caplog):
     callback = GarbageCollection(every_n_steps=5, warn_ms=1e-6)  # every collection counts as slow
     fit(tmp_path, callback, Tiny(), steps=10)
@@ -170,7 +184,14 @@ def test_a_slow_collection_is_said_with_rank_step_and_generation(tmp_path, caplo
     assert callback.collections == len(records)
 
 
-@pytest.mark.parametrize(("options", "needle"), [({"every_n_steps": 0}, "every_n_steps"), ({"warn_ms": 0}, "warn_ms")])
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"every_n_steps": 0}, "every_n_steps"),
+        ({"full_every_n_steps": 2.5}, "full_every_n_steps"),
+        ({"warn_ms": 0}, "warn_ms"),
+    ],
+)
 def test_bad_options_name_themselves(options, needle):
     from lit_template.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""Python's garbage collector on a schedule during fit: the same steps on every rank, never a full pass mid-epoch.
+"""Python's garbage collector on a schedule during fit: at the same steps on every rank, full passes at fixed points.
 
 Left to itself, CPython's collector runs whenever enough objects were allocated: a few young collections per step
 (Lightning's loop allocates thousands of small objects a step) and, every few hundred steps, a full pass over every
@@ -9,8 +9,10 @@ at its own moment, and the other ranks wait for it at the next gradient all-redu
 This callback, at the start of fit: one full collection, then ``gc.freeze()`` (the objects alive now, the libraries'
 and the model's, are never traversed again), then automatic collection off. It collects the young generations every
 ``every_n_steps`` optimizer steps, on every rank at the same step, and does a full pass at each validation end and
-training epoch end, where the loop pauses anyway. At the end of fit (or on an exception) the collector is put back as
-it was. Forked children (dataloader workers) get automatic collection back at once (``os.register_at_fork``).
+training epoch end, where the loop pauses anyway, and every ``full_every_n_steps`` steps (so one long epoch frees its
+cyclic garbage too; with the freeze a full pass takes a few ms). At the end of fit (or on an exception) the collector
+is put back as it was. Forked children (dataloader workers) get automatic collection back at once
+(``os.register_at_fork``).
 
     python train.py callbacks.garbage_collection.every_n_steps=200   # fewer, larger collections
     python train.py callbacks.garbage_collection=null                # Python's automatic collector
@@ -51,21 +53,33 @@ class GarbageCollection(L.Callback):
         every_n_steps: collect the young generations (``gc.collect(1)``) every this many optimizer steps; a full
             collection runs at each validation end and training epoch end. None: automatic collection stays on (only
             the freeze applies).
+        full_every_n_steps: also a full collection every this many optimizer steps (None: only at validation and
+            epoch ends); a multiple of ``every_n_steps`` replaces that step's young collection.
         freeze: ``gc.freeze()`` after the first full collection, so later full passes skip what was alive at the
             start of fit.
         warn_ms: say so (console and ``reports/gc.jsonl``) when one collection takes longer: the step makes many
             reference cycles, or holds many objects that are not frozen.
     """
 
-    def __init__(self, every_n_steps: int | None = 50, freeze: bool = True, warn_ms: float = 50.0) -> None:
-        if every_n_steps is not None and (isinstance(every_n_steps, bool) or every_n_steps < 1):
-            raise ConfigError(
-                f"{OPTION}.every_n_steps must be a whole number of optimizer steps >= 1 (or null: Python's "
-                f"automatic collector), got {every_n_steps!r}"
-            )
+    def __init__(
+        self,
+        every_n_steps: int | None = 50,
+        full_every_n_steps: int | None = 1000,
+        freeze: bool = True,
+        warn_ms: float = 50.0,
+    ) -> None:
+        for name, value, null in (
+            ("every_n_steps", every_n_steps, "Python's automatic collector"),
+            ("full_every_n_steps", full_every_n_steps, "full passes at validation and epoch ends only"),
+        ):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(
+                    f"{OPTION}.{name} must be a whole number of optimizer steps >= 1 (or null: {null}), got {value!r}"
+                )
         if not warn_ms > 0:
             raise ConfigError(f"{OPTION}.warn_ms must be a positive number of milliseconds, got {warn_ms!r}")
         self.every_n_steps = every_n_steps
+        self.full_every_n_steps = full_every_n_steps
         self.freeze = freeze
         self.warn_ms = float(warn_ms)
         self._active = False
@@ -101,6 +115,7 @@ class GarbageCollection(L.Callback):
             schedule = (
                 f"automatic collection off, the young generations collected every {self.every_n_steps} steps on every "
                 "rank and a full pass at epoch ends"
+                + (f" and every {self.full_every_n_steps} steps" if self.full_every_n_steps else "")
                 if self._active
                 else "automatic collection on"
             )
@@ -114,7 +129,9 @@ class GarbageCollection(L.Callback):
         if not self._active or step == self._last_step:  # no optimizer step in this batch (accumulation)
             return
         self._last_step = step
-        if step % self.every_n_steps == 0:
+        if self.full_every_n_steps is not None and step % self.full_every_n_steps == 0:
+            self._full_pass(trainer)
+        elif step % self.every_n_steps == 0:
             self._collect(trainer, generation=1)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
