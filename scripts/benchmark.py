@@ -13,9 +13,9 @@ with warm-up steps and epoch boundaries (validation) left out. Same model (conf/
 repeated so an epoch is long), batch size, steps and intra-op threads everywhere. The variants run in turn, --rounds
 times (a b c d, d c b a, ...), so a busy or slow spell of the machine falls on all of them; each ratio is taken within
 a round and the median over rounds is printed. The hand-written loop (a) collects garbage on the schedule train.py
-ships (callbacks.garbage_collection: a freeze, Python's automatic collector off, the young generations every 50
-steps; --raw-automatic-gc: Python's own), so b/a does not count that schedule's win; (d) has it off with the other
-template callbacks, so d runs Python's automatic collector (scripts/bench_gc.py measures the difference).
+ships (callbacks.garbage_collection: a freeze, Python's automatic collector off, the young generations every
+every_n_steps; --raw-automatic-gc: Python's own), so b/a does not count that schedule's win; (d) has it off with the
+other template callbacks, so d runs Python's automatic collector (scripts/bench_gc.py measures the difference).
 """
 
 from __future__ import annotations
@@ -106,9 +106,10 @@ def raw_worker(rank: int, world: int, args: argparse.Namespace, port: int, out: 
         sampler = DistributedSampler(dm.data_train, num_replicas=world, rank=rank, shuffle=True)
         loader = DataLoader(dm.data_train, batch_size=cfg.data.batch_size, sampler=sampler)
     loss_fn = nn.CrossEntropyLoss()
-    if not args.raw_automatic_gc:
-        # the same work as train.py's callbacks.garbage_collection (on by default): one full pass and a freeze, then
-        # the young generations every 50 steps, so b/a compares the loops and not Python's collector
+    # the same work as train.py's callbacks.garbage_collection (on by default): one full pass and a freeze, then
+    # the young generations every every_n_steps, so b/a compares the loops and not Python's collector
+    gc_every = None if args.raw_automatic_gc else cfg.callbacks.garbage_collection.every_n_steps
+    if gc_every is not None:
         gc.collect()
         gc.freeze()
         gc.disable()
@@ -132,7 +133,7 @@ def raw_worker(rank: int, world: int, args: argparse.Namespace, port: int, out: 
             optimizer.step()
             clock.first_step_done()
             step += 1
-            if step % 50 == 0 and not args.raw_automatic_gc:
+            if gc_every is not None and step % gc_every == 0:
                 gc.collect(1)
             if step >= args.steps:
                 break

@@ -88,7 +88,6 @@ class GarbageCollection(L.Callback):
         self._last_step = -1
         self._last_full_step = -1
         self.collections = 0
-        self.collected_ms = 0.0
         self.start_ms = 0.0  # the first full collection and the freeze
 
     # -- the loop -----------------------------------------------------------------------------------------------------
@@ -98,7 +97,7 @@ class GarbageCollection(L.Callback):
         self._was_enabled = gc.isenabled()
         self._last_step = trainer.global_step
         self._last_full_step = -1
-        self.collections, self.collected_ms = 0, 0.0
+        self.collections = 0
         start = time.perf_counter()
         gc.collect()
         if self.freeze:
@@ -162,7 +161,6 @@ class GarbageCollection(L.Callback):
         freed = gc.collect(generation)
         took_ms = (time.perf_counter() - start) * 1e3
         self.collections += 1
-        self.collected_ms += took_ms
         if took_ms > self.warn_ms:
             record = {
                 "kind": "slow_garbage_collection",
