@@ -67,6 +67,16 @@ def test_every_rank_collects_at_the_same_steps_under_ddp(train):
     assert ranks[0] == ranks[1]
 
 
+def test_a_slow_collection_is_reported_by_train_py_with_rank_and_step(train):
+    # warn_ms this low makes every scheduled collection "slow": the report a user gets when a step leaves many cycles
+    run = train("trainer.max_steps=60", "test=false", "callbacks.garbage_collection.warn_ms=0.000001")
+    records = [json.loads(line) for line in (run.run_dir() / "reports" / "gc.jsonl").read_text().splitlines()]
+    young = [r for r in records if r["generation"] == 1]
+    assert [(r["global_rank"], r["global_step"]) for r in young] == [(0, 50)]
+    assert young[0]["kind"] == "slow_garbage_collection" and young[0]["took_ms"] > 0
+    assert "garbage collection: on global rank 0 at step 50 a generation-1 collection took" in run.output
+
+
 def test_a_bad_interval_names_the_option(train):
     run = train("callbacks.garbage_collection.every_n_steps=0", check=False, timeout=120)
     assert run.returncode == 2
