@@ -33,16 +33,18 @@ class Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(tmp_path, guard: NonFiniteGuard, fault: FaultInjection, accumulate: int = 1) -> Tiny:
+def fit(
+    tmp_path, guard: NonFiniteGuard | None, fault: FaultInjection | None, accumulate: int = 1, model: Tiny | None = None
+) -> Tiny:
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
-    model = Tiny()
+    model = model or Tiny()
     trainer = L.Trainer(
         default_root_dir=tmp_path,
         accelerator="cpu",
         max_steps=5,
         accumulate_grad_batches=accumulate,
-        callbacks=[fault, guard],
+        callbacks=[c for c in (fault, guard) if c is not None],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -60,14 +62,28 @@ def events(tmp_path) -> list[dict]:
 # every gradient in the buffer; a.weight and a.bias in it and b's on their own; every gradient on its own
 @pytest.mark.parametrize("flat_max", [nonfinite_guard.FLAT_MAX, 40, 0])
 @pytest.mark.parametrize("target", ["a.bias", "b.weight"])
-def test_a_nan_gradient_is_named_and_stops_one_step_later_whatever_the_layout(tmp_path, monkeypatch, flat_max, target):
+def test_a_nan_gradient_is_named_and_stops_before_its_update_whatever_the_layout(
+    tmp_path, monkeypatch, flat_max, target
+):
+    # one CPU process: checked and read in the step itself (under DDP or on a GPU, one step later:
+    # tests/test_reliability.py, tests/test_model_parallel.py)
     monkeypatch.setattr(nonfinite_guard, "FLAT_MAX", flat_max)
+    model = Tiny()
     with pytest.raises(NonFiniteError, match=f"non-finite gradient of {target} on rank 0 at step 2; stopping every"):
-        fit(tmp_path, NonFiniteGuard(), FaultInjection("nan_grad", rank=0, step=2, target=target))
+        fit(tmp_path, NonFiniteGuard(), FaultInjection("nan_grad", rank=0, step=2, target=target), model=model)
     (event,) = events(tmp_path)
     assert event["what"] == "grad" and event["tensor"] == target and event["ranks"] == [0]
-    assert event["global_step"] == 2 and event["stopped_at"] == 3
+    assert event["global_step"] == 2 and event["stopped_at"] == 2
     assert event["loss"]["0"] > 0  # the step's (finite) loss, read back from the buffer
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # the bad update never ran
+
+
+def test_the_check_changes_no_gradient(tmp_path):
+    # the fused check multiplies every gradient by 1 in place: the run's parameters are bit for bit those without it
+    guarded = fit(tmp_path / "a", NonFiniteGuard(), None)
+    plain = fit(tmp_path / "b", None, None)
+    for (name, a), b in zip(guarded.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.parametrize("flat_max", [nonfinite_guard.FLAT_MAX, 0])
@@ -76,7 +92,7 @@ def test_a_nan_loss_in_one_micro_batch_of_three_is_reported_as_the_loss(tmp_path
     with pytest.raises(NonFiniteError, match="non-finite loss on rank 0 at step 1 \\(loss=nan\\)"):
         fit(tmp_path, NonFiniteGuard(), FaultInjection("nan_loss", rank=0, step=1), accumulate=3)
     (event,) = events(tmp_path)
-    assert event["what"] == "loss" and event["loss"] == {"0": "nan"} and event["stopped_at"] == 2
+    assert event["what"] == "loss" and event["loss"] == {"0": "nan"} and event["stopped_at"] == 1
 
 
 def test_skip_drops_the_steps_update_and_goes_on(tmp_path, monkeypatch):
