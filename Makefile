@@ -22,7 +22,7 @@ train-ddp:  ## the same with DDP: 2 processes on the CPU over gloo
 	$(PY) train.py trainer=ddp_cpu
 
 test:  ## the whole suite, slow multi-process tests included (about 25 minutes on 2 cores)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast:  ## skip the slow tests; one pytest-xdist worker per core (about 2.5 minutes on 2 cores)
 	$(PY) -m pytest -q -m "not slow" -n auto
