@@ -21,7 +21,7 @@ train:  ## train the default model on the embedded digits data (CPU, no network)
 train-ddp:  ## the same with DDP: 2 processes on the CPU over gloo
 	$(PY) train.py trainer=ddp_cpu
 
-test:  ## the whole suite, slow multi-process tests included (about 25 minutes on 2 cores)
+test:  ## the whole suite, slow multi-process tests included (26-31 minutes on 2 cores; prints the 15 slowest)
 	$(PY) -m pytest -q --durations=15
 
 test-fast:  ## skip the slow tests; one pytest-xdist worker per core (about 2.5 minutes on 2 cores)
