@@ -78,22 +78,24 @@ def _say_rank_failed(error: BaseException) -> None:
 
 class ChildRankWatch(threading.Thread):
     """In the process Lightning's launcher started its children from (rank 0): notice a child that exits non-zero
-    and say which rank it was and how it ended. Lightning's own observer then kills every process (within its 5 s
-    poll, which may come first: this one polls every 0.1 s so it nearly always speaks first); its message names only
-    a PID."""
+    and say which rank it was and how it ended, then call ``on_failure`` (Lightning's own observer, which kills
+    every process within its 5 s poll and names only a PID). Started only after the report, that observer cannot
+    kill this process before the rank is named."""
 
-    def __init__(self, procs: list, run_dir: Path | None, poll_s: float = 0.1) -> None:
+    def __init__(
+        self, procs: list, run_dir: Path | None, on_failure: Callable[[], None] | None = None, poll_s: float = 0.1
+    ) -> None:
         super().__init__(daemon=True, name="lit-template-child-rank-watch")
-        self.procs, self.run_dir, self.poll_s = procs, run_dir, poll_s
+        self.procs, self.run_dir, self.on_failure, self.poll_s = procs, run_dir, on_failure, poll_s
         self._lock = threading.Lock()
         self.reported = False
         _ACTIVE_WATCH[0] = self
 
     def run(self) -> None:
-        while not self.reported:
-            if self.check() is not None:
-                return
+        while (failed := self.check()) is None:
             threading.Event().wait(self.poll_s)
+        if failed and self.on_failure is not None:
+            self.on_failure()
 
     def check(self, wait_s: float = 0.0) -> bool | None:
         """Poll the children (for up to ``wait_s``): True if one failed (and is now reported), False if all exited
@@ -147,14 +149,14 @@ _ACTIVE_WATCH: list[ChildRankWatch | None] = [None]
 
 
 def _install_child_rank_watch(run_dir: Path | None) -> None:
-    """Start a ChildRankWatch next to Lightning's observer whenever its subprocess launcher starts children. Lightning
-    has no hook there: wrap the one function its launcher calls with the children (module attribute, looked up at
-    call time)."""
+    """Start a ChildRankWatch in place of Lightning's observer whenever its subprocess launcher starts children (the
+    watch starts that observer when a child fails). Lightning has no hook there: wrap the one function its launcher
+    calls with the children (module attribute, looked up at call time)."""
     _WATCH_RUN_DIR[0] = run_dir
 
     def launch_observers(child_processes: list, original: Callable[[list], None]) -> None:
-        ChildRankWatch(child_processes, _WATCH_RUN_DIR[0]).start()
-        original(child_processes)
+        # Lightning's observer starts once a child has failed and been named (it has nothing to do before)
+        ChildRankWatch(child_processes, _WATCH_RUN_DIR[0], on_failure=lambda: original(child_processes)).start()
 
     wrap_process_observer(launch_observers)
 
