@@ -21,12 +21,12 @@ train:  ## train the default model on the embedded digits data (CPU, no network)
 train-ddp:  ## the same with DDP: 2 processes on the CPU over gloo
 	$(PY) train.py trainer=ddp_cpu
 
-test:  ## the whole suite: the fast tests on one xdist worker per core, then the slow multi-process ones in order
+test:  ## the whole suite: the fast tests as test-fast does, then the slow ones in order (about 25 minutes on 2 cores)
 	$(PY) -m pytest -q -m "not slow" -n auto --durations=10; fast=$$?; \
 	$(PY) -m pytest -q -m slow --durations=25; slow=$$?; \
 	exit $$(( fast || slow ))
 
-test-fast:  ## skip the slow tests; one pytest-xdist worker per core (about 2.5 minutes on 2 cores)
+test-fast:  ## skip the slow tests; one pytest-xdist worker per core (about 3 minutes on 2 cores)
 	$(PY) -m pytest -q -m "not slow" -n auto
 
 lint:  ## ruff (lint + format check) and shellcheck on the scripts; .ci/run runs it
