@@ -21,7 +21,7 @@ train:  ## train the default model on the embedded digits data (CPU, no network)
 train-ddp:  ## the same with DDP: 2 processes on the CPU over gloo
 	$(PY) train.py trainer=ddp_cpu
 
-test:  ## the whole suite: the fast tests as test-fast does, then the slow ones in order (about 25 minutes on 2 cores)
+test:  ## the whole suite: the fast tests as test-fast does, then the slow ones in order (about 26 minutes on 2 cores)
 	$(PY) -m pytest -q -m "not slow" -n auto --durations=10; fast=$$?; \
 	$(PY) -m pytest -q -m slow --durations=25; slow=$$?; \
 	exit $$(( fast || slow ))
