@@ -165,8 +165,9 @@ def main() -> None:
     us = [(a - n) * 1e3 for a, n in zip(every, none, strict=False)]
     print(f"  {'all together':<18} {spread(us):<32} hooks {sum(hook_us.values()):8.1f}")
     print(
-        "(the difference between 'all together' and the hooks' sum is Lightning calling every hook on every"
-        " callback, overridden or not, plus what the hooks leave behind for the step: caches, allocations)"
+        "(the difference between 'all together' and the hooks' sum is Lightning's dispatch of the hooks the"
+        " callbacks override (lean_hooks skips the others), the timing of each hook, and what the hooks leave"
+        " behind for the step: caches, allocations)"
     )
     print(
         "(none: the callbacks' Lightning hooks are not called; what they installed outside those hooks still runs:"
