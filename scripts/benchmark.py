@@ -61,8 +61,9 @@ LIGHTNING_COSTS = {
     ),
     # negative: what Lightning's own bar (redrawn 100 times a second, metrics read every step) costs on top
     "d-stockbar": ("the template's bar instead of Lightning's RichProgressBar", STOCK_BAR),
-    # negative: what Lightning's own hook dispatch (profiler contexts, no-op hooks) costs over extras.lean_hooks
-    "d-lean": ("Lightning's stock hook dispatch (extras.lean_hooks=false)", ["extras.lean_hooks=false"]),
+    # negative: what Lightning's own hook dispatch (profiler contexts, no-op hooks) and the NVML probe of every CPU
+    # optimizer step cost over extras.lean_hooks
+    "d-lean": ("Lightning's stock hook dispatch and CUDA probe (extras.lean_hooks=false)", ["extras.lean_hooks=false"]),
 }
 # --per-callback: each one on alone against all off, in the same rounds (preemption saves through last_checkpoint)
 ALONE = {"preemption": ("last_checkpoint", "preemption")}
@@ -87,6 +88,10 @@ def raw_worker(rank: int, world: int, args: argparse.Namespace, port: int, out: 
     from lit_template.testing.bench import StepClock
 
     torch.set_num_threads(args.threads)
+    # Importing lit_template imports Lightning, which sets this; a hand-written loop has no Lightning, and under it
+    # Adam's step would probe NVML for the CUDA device count at every step on the CPU (train.py avoids it too:
+    # lightning_compat.cuda_device_count_cached)
+    os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
     if world > 1:
         import torch.distributed as dist
 

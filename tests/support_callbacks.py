@@ -39,8 +39,9 @@ class FailAboveLR(L.Callback):
 
 
 class HookLog(L.Callback):
-    """Writes ``<run dir>/hooks.json``: the trainer's profiler class and, per training step, the per-step hooks
-    Lightning called on this callback with the LightningModule's ``_current_fx_name`` at each call."""
+    """Writes ``<run dir>/hooks.json``: the trainer's profiler class; per training step, the per-step hooks Lightning
+    called on this callback with the LightningModule's ``_current_fx_name`` at each call; and how many times torch
+    probed NVML for the CUDA device count between train start and end (``nvml_probes``, over ``steps``)."""
 
     HOOKS = (
         "on_train_batch_start",
@@ -62,10 +63,32 @@ class HookLog(L.Callback):
 
         return record
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch import cuda
+
+        self.nvml_probes, self._probe = 0, cuda._raw_device_count_nvml
+
+        def counted() -> int:
+            self.nvml_probes += 1
+            return self._probe()
+
+        cuda._raw_device_count_nvml = counted  # looked up by torch.cuda._device_count_nvml at each call
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from torch import cuda
+
+        cuda._raw_device_count_nvml = self._probe
+        self.steps = trainer.global_step
+
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         import json
 
-        payload = {"profiler": type(trainer.profiler).__name__, "calls": self.calls}
+        payload = {
+            "profiler": type(trainer.profiler).__name__,
+            "calls": self.calls,
+            "nvml_probes": self.nvml_probes,
+            "steps": self.steps,
+        }
         (Path(trainer.default_root_dir) / "hooks.json").write_text(json.dumps(payload))
 
 

@@ -79,7 +79,7 @@ def test_benchmark_py_prints_each_variant_and_lightnings_costs():
     for label in ("(a) raw PyTorch loop", "(b) train.py, default callbacks", "(d) train.py, all template callbacks"):
         assert label in proc.stdout, proc.stdout
     assert "wall time: b/a = " in proc.stdout and "b/d (the template's own callbacks together):" in proc.stdout
-    assert "Lightning's stock hook dispatch (extras.lean_hooks=false)" in proc.stdout, proc.stdout
+    assert "Lightning's stock hook dispatch and CUDA probe (extras.lean_hooks=false)" in proc.stdout, proc.stdout
 
 
 @pytest.mark.slow

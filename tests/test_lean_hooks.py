@@ -1,6 +1,6 @@
 """``extras.lean_hooks`` (on by default): Lightning's per-step hook dispatch without the profiler contexts and the
-no-op callback hooks. The same hooks run in the same order, the run computes the same numbers, and a profiler
-asked for (``debug=profiler``) still sees every hook."""
+no-op callback hooks, and no NVML probe per optimizer step on the CPU. The same hooks run in the same order, the
+run computes the same numbers, and a profiler asked for (``debug=profiler``) still sees every hook."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.profilers import PassThroughProfiler, SimpleProfiler
 
-from lit_template.lightning_compat import NullProfiler, lean_hooks
+from lit_template.lightning_compat import NullProfiler, cuda_device_count_cached, lean_hooks
 
 TESTS = Path(__file__).parent
 RUN = (
@@ -98,6 +98,28 @@ def test_lean_hooks_leaves_a_trainer_with_a_profiler_or_switched_off_alone(tmp_p
     assert type(trainer.profiler) is PassThroughProfiler
 
 
+def test_a_cpu_trainer_answers_the_cuda_device_count_from_torchs_cache_and_puts_it_back(tmp_path, monkeypatch):
+    from torch import cuda
+
+    probes = []
+    probe = cuda._raw_device_count_nvml
+    monkeypatch.setattr(cuda, "_raw_device_count_nvml", lambda: probes.append(1) or probe())
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # as importing Lightning sets it
+    assert not cuda.is_initialized() and cuda._cached_device_count is None
+    expected = cuda.device_count()
+    trainer = L.Trainer(default_root_dir=tmp_path, accelerator="cpu", logger=False)  # it probes too
+    before = len(probes)
+    with cuda_device_count_cached(trainer):
+        inside = len(probes)
+        assert inside == before + 1 and cuda._cached_device_count == expected  # the count, taken once
+        for _ in range(50):
+            cuda.is_available()
+        assert len(probes) == inside  # answered from the cache
+    assert cuda._cached_device_count is None
+    cuda.is_available()
+    assert len(probes) == inside + 1  # uncached again: torch probes NVML as before
+
+
 def hooks(run) -> dict:
     return json.loads((run.run_dir() / "hooks.json").read_text())
 
@@ -117,6 +139,10 @@ def test_train_py_runs_lean_by_default_with_the_same_numbers_and_debug_profiler_
     plain = train(*RUN, "extras.lean_hooks=false", env=env, log_dir=tmp_path / "plain")
     assert hooks(lean)["profiler"] == "NullProfiler" and hooks(plain)["profiler"] == "PassThroughProfiler"
     assert len(hooks(lean)["calls"]) > 100 and hooks(lean)["calls"] == hooks(plain)["calls"]
+    # Adam's step asks torch whether CUDA is there: Lightning's stock path probes NVML for it at every step on the
+    # CPU, the lean one answers from torch's cache (lightning_compat.cuda_device_count_cached)
+    assert hooks(plain)["nvml_probes"] >= hooks(plain)["steps"] > 10
+    assert hooks(lean)["nvml_probes"] == 0
     assert losses(lean) and losses(lean) == losses(plain)
     profiled = train("debug=profiler", "extras.print_config=false", log_dir=tmp_path / "profiled")
     # Lightning's simple profiler still times each callback's hooks and prints them

@@ -6,13 +6,14 @@ method overrides rather than calls: ``distributed.comm.CommDDPStrategy`` overrid
 (its body is ``register_ddp_comm_hook`` below), and ``models.parallel_compat.ModelParallelStrategy`` overrides
 ``ModelParallelStrategy._configure_launcher`` (to check the mesh before any process starts). ``lean_hooks``
 replaces three functions of ``lightning.pytorch.trainer.call`` (the per-step hook dispatch) for the whole process;
-they fall back to Lightning's own on any trainer that has a profiler.
+they fall back to Lightning's own on any trainer that has a profiler. ``cuda_device_count_cached`` sets torch's
+private device-count cache while a CPU trainer runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
@@ -183,6 +184,37 @@ def set_threads_per_process(num_processes: int) -> None:
     from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 
     _set_num_threads_if_needed(num_processes=num_processes)
+
+
+@contextlib.contextmanager
+def cuda_device_count_cached(trainer: L.Trainer) -> Iterator[None]:
+    """While a CPU trainer runs, ``torch.cuda.device_count()`` answers from torch's own cache
+    (``torch.cuda._cached_device_count``), not by probing NVML again at every optimizer step.
+
+    Importing Lightning sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (lightning/fabric/__init__.py). Under it,
+    ``torch.cuda.is_available()`` counts the devices through NVML (``dlopen("libnvidia-ml.so.1")``, init, count), and
+    torch caches the count only once CUDA is initialized, which a CPU run never does. Adam's ``step()`` (and
+    RMSprop's, RAdam's, ...) asks ``torch.accelerator.current_accelerator(check_available=True)`` every step, so a
+    CPU run paid that probe at every step: about 65 us here, where the library is absent, 2 us cached. Here the count
+    is taken once, the way torch takes it, and put back to "not cached" afterwards, unless CUDA was initialized
+    meanwhile (torch's own cache then holds the same count). A GPU trainer is left alone: its setup initializes CUDA,
+    and torch caches the count itself.
+    """
+    from torch import cuda
+
+    if (
+        trainer.strategy.root_device.type != "cpu"
+        or cuda.is_initialized()
+        or getattr(cuda, "_cached_device_count", 0) is not None
+    ):
+        yield
+        return
+    cuda._cached_device_count = cuda.device_count()
+    try:
+        yield
+    finally:
+        if not cuda.is_initialized():
+            cuda._cached_device_count = None
 
 
 class NullProfiler(Profiler):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -16,7 +17,7 @@ from lit_template.distributed.comm import check_comm_config
 from lit_template.distributed.env import apply_env, check_launch_env
 from lit_template.distributed.launch import prepare_job_for_ddp_children
 from lit_template.errors import ConfigError
-from lit_template.lightning_compat import lean_hooks
+from lit_template.lightning_compat import cuda_device_count_cached, lean_hooks
 from lit_template.loggers import continue_runs
 from lit_template.utils import RankedLogger, instantiate_callbacks, instantiate_loggers, task_wrapper
 from lit_template.utils.rich_utils import print_config_tree
@@ -100,12 +101,21 @@ def run(cfg: DictConfig) -> float | None:
     if cfg.get("extras", {}).get("print_config"):
         print_config_tree(cfg, save_to=f"{cfg.paths.output_dir}/config_tree.log")
     objects = build(cfg)
-    trainer, model, datamodule = objects["trainer"], objects["model"], objects["datamodule"]
     ckpt_path = resolve_ckpt_path(cfg) if cfg.get("train", True) else None
     # before any logger starts its run: a resumed training continues the checkpoint's MLflow / W&B run
     continue_runs(objects["loggers"], ckpt_path)
     log_hyperparameters(objects)
 
+    lean = (cfg.get("extras") or {}).get("lean_hooks", True)
+    with cuda_device_count_cached(objects["trainer"]) if lean else contextlib.nullcontext():
+        metrics = fit_and_test(cfg, objects, ckpt_path)
+    return optimized_metric(cfg, metrics)
+
+
+def fit_and_test(cfg: DictConfig, objects: dict[str, Any], ckpt_path: str | None) -> dict[str, Any]:
+    """``trainer.fit`` (unless ``train=false``), then ``trainer.test`` on the best checkpoint (with ``test=true``); the
+    callback metrics after them."""
+    trainer, model, datamodule = objects["trainer"], objects["model"], objects["datamodule"]
     if cfg.get("train", True):
         if ckpt_path:
             log.info(f"resuming from {ckpt_path}")
@@ -125,4 +135,4 @@ def run(cfg: DictConfig) -> float | None:
         metrics.update({k: v.item() if hasattr(v, "item") else v for k, v in trainer.callback_metrics.items()})
         if best:
             log.info(f"best checkpoint: {best}")
-    return optimized_metric(cfg, metrics)
+    return metrics
