@@ -122,6 +122,20 @@ def test_a_cpu_trainer_answers_the_cuda_device_count_from_torchs_cache_and_puts_
     assert len(probes) == inside + 1  # uncached again: torch probes NVML as before
 
 
+def test_a_gpu_trainer_leaves_the_cuda_device_count_to_torch(monkeypatch):
+    # a trainer on a CUDA device initializes CUDA at setup and torch caches the count itself: nothing is set here
+    from types import SimpleNamespace
+
+    from torch import cuda
+
+    probes = []
+    monkeypatch.setattr(cuda, "_raw_device_count_nvml", lambda: probes.append(1) or -1)
+    on_gpu = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda", 0)))
+    with cuda_device_count_cached(on_gpu):
+        assert cuda._cached_device_count is None
+    assert cuda._cached_device_count is None and probes == []
+
+
 def hooks(run) -> dict:
     return json.loads((run.run_dir() / "hooks.json").read_text())
 
