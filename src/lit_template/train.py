@@ -44,7 +44,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     check_checkpoint_callbacks(callbacks)
     loggers = instantiate_loggers(cfg.get("logger"))
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
-    if (cfg.get("extras") or {}).get("lean_hooks", True):
+    lean = bool((cfg.get("extras") or {}).get("lean_hooks", True))
+    if lean:
         lean_hooks(trainer)
     return {
         "cfg": cfg,
@@ -53,6 +54,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         "callbacks": callbacks,
         "loggers": loggers,
         "trainer": trainer,
+        "lean": lean,  # extras.lean_hooks, read once here
     }
 
 
@@ -106,8 +108,7 @@ def run(cfg: DictConfig) -> float | None:
     continue_runs(objects["loggers"], ckpt_path)
     log_hyperparameters(objects)
 
-    lean = (cfg.get("extras") or {}).get("lean_hooks", True)
-    with cuda_device_count_cached(objects["trainer"]) if lean else contextlib.nullcontext():
+    with cuda_device_count_cached(objects["trainer"]) if objects["lean"] else contextlib.nullcontext():
         metrics = fit_and_test(cfg, objects, ckpt_path)
     return optimized_metric(cfg, metrics)
 
