@@ -24,7 +24,7 @@ train-ddp:  ## the same with DDP: 2 processes on the CPU over gloo
 # The slow tests run on 2 workers, a test module to a worker (--dist loadscope: a module's shared runs are made once,
 # and the SLURM tests share the 2-node cluster one at a time). Alone they kept 2 cores about 40% busy: much of a
 # multi-process test is waiting (for a stall timeout, a signal, the SLURM scheduler, a rank's rendezvous).
-test:  ## the whole suite: the fast tests as test-fast does, then the slow ones on 2 workers (about 21 minutes on 2 cores)
+test:  ## the whole suite: the fast tests as test-fast does, then the slow ones on 2 workers (about 19 minutes on 2 cores)
 	$(PY) -m pytest -q -m "not slow" -n auto --durations=10; fast=$$?; \
 	$(PY) -m pytest -q -m slow -n 2 --dist loadscope --durations=25; slow=$$?; \
 	exit $$(( fast || slow ))
