@@ -14,10 +14,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Under pytest-xdist (make test runs both halves on 2 workers), every process a test starts gets one intra-op thread
-# unless OMP_NUM_THREADS is set: two workers would otherwise each run torch with a thread per core, and on 2 cores the
-# oversubscribed threads made runs 3-12x slower (a GPT host-sync test: 11 s alone, 134 s beside another test, under
-# 24 s beside another test with one thread).
+# Under pytest-xdist (make test: the fast half on -n auto, a worker per core; the slow half on 2), every process a test
+# starts gets one intra-op thread unless OMP_NUM_THREADS is set: each worker would otherwise run torch with a thread
+# per core, and on 2 cores the oversubscribed threads made runs 3-12x slower (a GPT host-sync test: 11 s alone, 134 s
+# beside another test, under 24 s beside another test with one thread).
 # DDP ranks already had one here (Lightning's launcher gives each cores / processes threads, torchrun gives 1).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
