@@ -50,13 +50,14 @@ bench:  ## the template versus a hand-written loop (1 process, then 2 over gloo)
 	$(PY) scripts/bench_callbacks.py --batch-size 1024 --cycles 16
 	$(PY) scripts/bench_callbacks.py --batch-size 4096 --cycles 6
 	$(PY) scripts/bench_callbacks.py --batch-size 1024 --cycles 8 --ddp
-	$(PY) scripts/bench_callbacks.py --batch-size 1024 --totals
+	$(PY) scripts/bench_callbacks.py --batch-size 1024 --totals --cycles 192
 	$(PY) scripts/bench_callbacks.py --batch-size 256 --totals
 	$(PY) scripts/bench_gc.py
 	$(PY) scripts/bench_gc.py --ddp
 	$(PY) scripts/bench_sync_check.py
 	OMP_NUM_THREADS=1 $(PY) scripts/bench_profiling.py
 	$(PY) scripts/bench_hang_doctor.py
+	$(PY) scripts/bench_cold_hooks.py
 	$(PY) scripts/bench_gpt.py --rounds 3 --steps 300
 
 rename:  ## make the template your own project: make rename NAME=my_project

@@ -111,3 +111,24 @@ def test_bench_gc_compares_the_schedule_with_pythons_collector():
     scheduled_counts = lines["scheduled"].rsplit("[", 1)[1].rstrip("]").split(",")
     assert int(scheduled_counts[0]) == 0, lines["scheduled"]
     assert "one-off cost at train start" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_bench_cold_hooks_times_each_hook_warm_cold_and_again():
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_cold_hooks.py", "--batch-size", "64", "--steps", "20"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {}  # a row: the name, then warm, cold and again in microseconds
+    for line in proc.stdout.splitlines():
+        for name in ("profiling", "NaN guard", "trainer.global_step"):
+            if line.startswith(name):
+                rows[name] = [float(v) for v in line.split()[-3:]]
+    assert set(rows) == {"profiling", "NaN guard", "trainer.global_step"}, proc.stdout
+    # warm, cold and again: three timings in microseconds for each, all measured (positive)
+    assert all(len(v) == 3 and all(t > 0 for t in v) for v in rows.values()), proc.stdout
