@@ -25,11 +25,10 @@ import time
 import warnings
 from collections.abc import Callable
 
-import hydra
 import lightning as L
 import torch
 import torch.nn.functional as F
-from bench_hang_doctor import default_model_config  # scripts/ is on sys.path: this script's own folder
+from bench_hang_doctor import bare_trainer, default_model  # scripts/ is on sys.path: this script's own folder
 
 from lit_template.callbacks.nonfinite_guard import NonFiniteGuard
 from lit_template.callbacks.profiling import ProfilingCallback
@@ -45,25 +44,12 @@ def main() -> None:
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
 
-    cfg = default_model_config()
-    cfg.model.scheduler = None  # ReduceLROnPlateau needs validation
-    model = hydra.utils.instantiate(cfg.model)
+    model = default_model()
     x, y = torch.randn(args.batch_size, 1, 8, 8), torch.randint(0, 10, (args.batch_size,))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=args.batch_size)
     profiling, guard = ProfilingCallback(plot=False, mfu=False), NonFiniteGuard()
     with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_steps=3,
-            limit_val_batches=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[profiling, guard],
-            default_root_dir=root,
-        )
+        trainer = bare_trainer(3, [profiling, guard], root)
         trainer.fit(model, loader)  # the trainer, the optimizer and the callbacks as a real fit leaves them
         # the callbacks armed again, through their own hooks, for the steps below; no profiling window (its
         # all_gather and report) in the loop. trainer.global_step does not move here, so the profiler's batch end
@@ -112,11 +98,7 @@ def main() -> None:
                 cold.append(_timed(fn))
                 again.append(_timed(fn))
             print(f"{name:34s} {_us(warm):8.1f} {_us(cold):8.1f} {_us(again):8.1f}")
-        raw = []
-        for _ in range(50):
-            start = time.perf_counter()
-            real_step()
-            raw.append(time.perf_counter() - start)
+        raw = [_timed(real_step) for _ in range(50)]
         print(f"(the real step itself: {_us(raw) / 1e3:.2f} ms)")
 
 

@@ -54,17 +54,16 @@ def default_model_config() -> DictConfig:
     )
 
 
-def median_step_ms(steps: int, extra: str, root: str) -> float:
-    # the default model's config; the data's shape is fixed here so that only the model config is read
+def default_model() -> L.LightningModule:
+    """The default model, without its ReduceLROnPlateau scheduler: that needs validation, which would only add noise."""
     cfg = default_model_config()
-    cfg.model.scheduler = None  # ReduceLROnPlateau needs validation, which would only add noise here
-    datamodule = DigitsDataModule(batch_size=64, num_workers=0)
-    model = hydra.utils.instantiate(cfg.model)
-    timer = BatchEndTimes()
-    # "empty": a callback that does nothing, to tell Lightning's cost of calling one more callback's hooks apart
-    extras = {"off": [], "empty": [L.Callback()], "on": [HangDoctor(stall_timeout_s=300, flight_recorder=False)]}
-    callbacks = [timer] + extras[extra]
-    trainer = L.Trainer(
+    cfg.model.scheduler = None
+    return hydra.utils.instantiate(cfg.model)
+
+
+def bare_trainer(steps: int, callbacks: list[L.Callback], root: str) -> L.Trainer:
+    """One CPU process, no validation, logger, checkpoint, progress bar or summary: only the given callbacks."""
+    return L.Trainer(
         accelerator="cpu",
         devices=1,
         max_steps=steps,
@@ -76,6 +75,15 @@ def median_step_ms(steps: int, extra: str, root: str) -> float:
         callbacks=callbacks,
         default_root_dir=root,
     )
+
+
+def median_step_ms(steps: int, extra: str, root: str) -> float:
+    datamodule = DigitsDataModule(batch_size=64, num_workers=0)
+    model = default_model()
+    timer = BatchEndTimes()
+    # "empty": a callback that does nothing, to tell Lightning's cost of calling one more callback's hooks apart
+    extras = {"off": [], "empty": [L.Callback()], "on": [HangDoctor(stall_timeout_s=300, flight_recorder=False)]}
+    trainer = bare_trainer(steps, [timer] + extras[extra], root)
     trainer.fit(model, datamodule=datamodule)
     return statistics.median(timer.times_ms)
 
