@@ -90,21 +90,20 @@ def median_step_ms(steps: int, extra: str, root: str) -> float:
 
 def mark_cost_us(n: int = 200_000) -> float:
     """The marks of one training step (batch start, backward, optimizer step, batch end) with the watchdog armed."""
-    doctor = HangDoctor(stall_timeout_s=300, flight_recorder=False)
-    trainer = type(
-        "T", (), {"default_root_dir": tempfile.mkdtemp(), "global_rank": 0, "world_size": 1, "global_step": 0}
-    )()
-    doctor.on_train_start(trainer, None)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        doctor.on_train_batch_start(trainer, None, None, 0)
-        doctor.on_before_backward(trainer, None, None)
-        doctor.on_after_backward(trainer, None)
-        doctor.on_before_optimizer_step(trainer, None, None)
-        doctor.on_train_batch_end(trainer, None, None, None, 0)
-    cost = (time.perf_counter() - t0) / n * 1e6
-    doctor.on_train_end(trainer, None)
-    return cost
+    with tempfile.TemporaryDirectory() as root:
+        doctor = HangDoctor(stall_timeout_s=300, flight_recorder=False)
+        trainer = type("T", (), {"default_root_dir": root, "global_rank": 0, "world_size": 1, "global_step": 0})()
+        doctor.on_train_start(trainer, None)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            doctor.on_train_batch_start(trainer, None, None, 0)
+            doctor.on_before_backward(trainer, None, None)
+            doctor.on_after_backward(trainer, None)
+            doctor.on_before_optimizer_step(trainer, None, None)
+            doctor.on_train_batch_end(trainer, None, None, None, 0)
+        cost = (time.perf_counter() - t0) / n * 1e6
+        doctor.on_train_end(trainer, None)
+        return cost
 
 
 def main() -> None:

@@ -379,9 +379,10 @@ def main() -> None:
         return
     world = 2 if args.ddp else 1
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(args.threads)}
-    tmp = Path(tempfile.mkdtemp(prefix="lt-bench-"))
-    variants, turned_off = build_variants(args, world, tmp)
-    per_round = run_rounds(variants, args, tmp, env)
+    # Each run writes a full run dir (checkpoints, logs) per variant and round: removed at the end, as every bench does.
+    with tempfile.TemporaryDirectory(prefix="lt-bench-") as tmp:
+        variants, turned_off = build_variants(args, world, Path(tmp))
+        per_round = run_rounds(variants, args, Path(tmp), env)
     report(variants, per_round, args, world)
     print(turned_off)
     print(f"output on a {'pseudo-terminal (rich draws the bar)' if args.tty else 'pipe (rich draws nothing)'}")
